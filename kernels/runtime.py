@@ -1,0 +1,169 @@
+"""Rank runtime: one engine's view of the world (process group, device, threads).
+
+The driver calls these functions on every engine, in two phases, to build a
+``torch.distributed`` world without any fixed port:
+
+1. ``open_store`` on rank 0 only: a c10d ``TCPStore`` on a free port of rank 0's
+   host (port 0 lets the OS choose, so two pools never race for a port).
+2. ``join_world`` on every rank: ``init_process_group`` over that store, then one
+   ``all_reduce`` of the ranks' ids to prove that every rank is connected.
+
+``call_guarded`` wraps every user function the driver sends. When the function
+raises (or is interrupted), the guard destroys this rank's process group before it
+re-raises. With gloo, closing a rank's connections makes every peer that waits on it
+in a collective fail at once with "Connection closed by peer", instead of waiting
+for the collective timeout: that is what lets the driver report the failing rank
+within seconds and rebuild the world.
+
+Run alone (two ranks, no ipyparallel)::
+
+    python -m kernels.runtime
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# The master store must outlive the call that created it until rank 0 joins the
+# world in the next call; after that the process group holds its own reference.
+_master_store: dist.TCPStore | None = None
+
+
+def describe_engine(controller_host: str) -> dict[str, Any]:
+    """Report this engine's host, reachable address, pid, visible GPUs and cores.
+
+    ``controller_host`` is only used to find which local address routes to the
+    controller, which is the address other hosts can reach this engine on.
+    """
+    return {
+        "host": socket.gethostname(),
+        "ip": _routable_ip(controller_host),
+        "pid": os.getpid(),
+        "gpus": list(_visible_gpus()),
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+
+
+def _routable_ip(peer_host: str) -> str:
+    if peer_host in ("127.0.0.1", "localhost", "::1", ""):
+        return "127.0.0.1"
+    # A UDP connect sends nothing; it only asks the kernel which interface routes to the peer.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer_host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _visible_gpus() -> tuple[str, ...]:
+    if not torch.cuda.is_available():
+        return ()
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        ids = tuple(x.strip() for x in listed.split(",") if x.strip())
+        return ids[:count]
+    return tuple(str(i) for i in range(count))
+
+
+def open_store(master_addr: str, world_size: int, timeout_s: float) -> int:
+    """Start the rendezvous store on rank 0 on a free port and return the port."""
+    global _master_store
+    _master_store = dist.TCPStore(master_addr, 0, world_size, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return _master_store.port
+
+
+def join_world(spec: dict[str, Any]) -> dict[str, Any]:
+    """Join the process group described by ``spec`` and prove it with an all_reduce.
+
+    ``spec`` keys: rank, world_size, backend, device, master_addr, port, threads,
+    timeout_s (collective timeout). Any process group this engine held before is
+    destroyed first, so calling this again rebuilds the world.
+    """
+    global _master_store
+    leave_world()
+    torch.set_num_threads(int(spec["threads"]))
+    if spec["device"].startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec["device"]))
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    timeout = timedelta(seconds=float(spec["timeout_s"]))
+    store = _master_store if rank == 0 else dist.TCPStore(
+        spec["master_addr"], int(spec["port"]), world, is_master=False, timeout=timeout)
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world,
+                            timeout=timeout, device_id=_device_id(spec["device"]))
+    _master_store = None
+    probe = torch.tensor([float(rank)], device=spec["device"])
+    dist.all_reduce(probe)
+    expected = world * (world - 1) / 2
+    if probe.item() != expected:
+        raise RuntimeError(f"rank {rank}: all_reduce check gave {probe.item()}, expected {expected}")
+    return {"rank": rank, "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def _device_id(device: str) -> torch.device | None:
+    # Binding the device lets NCCL connect eagerly; gloo on CPU needs no device.
+    return torch.device(device) if device.startswith("cuda") else None
+
+
+def leave_world() -> bool:
+    """Destroy this engine's process groups (all of them); True if one existed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()  # drop reference cycles that would keep the group's sockets open
+        return True
+    return False
+
+
+def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Run ``fn(*args, **kwargs)``; on any failure, leave the world, then re-raise.
+
+    Leaving the world closes this rank's connections, so peers blocked in a
+    collective with it fail fast rather than hang until the collective timeout.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as error:
+        # The failed collective's frames hold the process group; clearing their
+        # locals lets it be freed (and its sockets closed) now, not when IPython
+        # drops its reference to the last traceback.
+        _clear_chain(error)
+        leave_world()
+        raise
+
+
+def _clear_chain(error: BaseException | None) -> None:
+    # A KeyboardInterrupt raised as a failed collective returns carries that
+    # failure as its context, whose frames hold the group too.
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _selftest(rank: int, world: int, port: int) -> None:
+    join_world({"rank": rank, "world_size": world, "backend": "gloo", "device": "cpu",
+                "master_addr": "127.0.0.1", "port": port, "threads": 1, "timeout_s": 30})
+    print(f"rank {rank}/{world} joined and verified")
+    leave_world()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    port = open_store("127.0.0.1", 2, 30)
+    # Rank 0 must live in the process that owns the store, so it runs here.
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(target=_selftest, args=(1, 2, port))
+    peer.start()
+    _selftest(0, 2, port)
+    peer.join()

@@ -1,0 +1,21 @@
+"""Cluster Lab: learn and test distributed training on real torch.distributed ranks.
+
+Start here::
+
+    import lab
+    cluster = lab.start()        # one rank per GPU (NCCL), or 4 CPU ranks (gloo)
+    cluster.run(fn, *args)       # runs fn on every rank; results indexed by rank
+"""
+from lab._shadow_guard import check_own_packages
+
+check_own_packages()
+
+from lab.cluster import Cluster, OversubscribedWarning  # noqa: E402
+from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError  # noqa: E402
+from lab.pool import connect, start  # noqa: E402
+from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
+
+__all__ = [
+    "Cluster", "DeadRankError", "LabError", "OversubscribedWarning", "PoolStoppedError", "RankError",
+    "RankMapError", "RankTimeoutError", "build_rank_map", "connect", "start",
+]

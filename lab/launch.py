@@ -1,0 +1,148 @@
+"""Where engines come from: a private local ipyparallel cluster, or one already running.
+
+Kept apart from the ``Cluster`` handle, as ipyparallel keeps launchers apart from its
+client: this module starts, finds and stops processes; it knows nothing of ranks.
+
+A local pool gets its own profile directory (mode 0700, removed on stop), a
+controller on loopback and signed messages, and the lab records the PID of every
+process it started so that it can later signal exactly those and no others.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ipyparallel as ipp
+import psutil
+
+
+@dataclass
+class EngineSource:
+    """A connected client plus what the lab owns of the processes behind it."""
+
+    client: ipp.Client
+    ipp_cluster: ipp.Cluster | None  # None when attached through a bare url file
+    owned: bool  # True when the lab started the processes and may stop or kill them
+    profile_dir: str | None = None  # private profile to delete on stop (owned pools only)
+    pids: set[int] = field(default_factory=set)  # every process the lab started
+
+
+def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60.0) -> EngineSource:
+    """Start a controller and ``n`` engines on this machine and connect to them."""
+    profile_dir = tempfile.mkdtemp(prefix="cluster-lab-")  # mkdtemp makes it 0700
+    cluster = ipp.Cluster(n=n, profile_dir=profile_dir, controller_ip=controller_ip,
+                          log_level=40, shutdown_atexit=False, engine_timeout=timeout)
+    try:
+        client = cluster.start_and_connect_sync(activate=False)
+        client.wait_for_engines(n, timeout=timeout)
+    except BaseException:
+        source = EngineSource(None, cluster, True, profile_dir, launched_pids(cluster))  # type: ignore[arg-type]
+        stop_source(source)
+        raise
+    restrict_security_files(profile_dir)
+    return EngineSource(client, cluster, True, profile_dir, launched_pids(cluster))
+
+
+def connect_existing(profile: str | None = None, cluster_id: str | None = None, *,
+                     url_file: str | None = None, profile_dir: str | None = None,
+                     n: int | None = None, timeout: float = 60.0) -> EngineSource:
+    """Attach to engines started elsewhere (``ipcluster start`` with any launcher).
+
+    With a cluster file (written by ``ipcluster``), the lab can restart the engines
+    through the launcher that started them; with only a ``url_file`` it cannot. The
+    lab owns none of these processes, so it never stops or kills them.
+    """
+    if url_file is not None:
+        client = ipp.Client(url_file=url_file, timeout=timeout)
+        cluster = None
+    else:
+        kwargs = {"profile": profile or "default"} if profile_dir is None else {"profile_dir": profile_dir}
+        cluster = ipp.Cluster.from_file(cluster_id=cluster_id or "", **kwargs)
+        client = cluster.connect_client_sync()
+    client.wait_for_engines(n or 1, timeout=timeout)
+    return EngineSource(client, cluster, owned=False)
+
+
+def launched_pids(cluster: ipp.Cluster) -> set[int]:
+    """PIDs of the controller and engines this cluster's launchers started, and their children."""
+    roots = []
+    if cluster.controller is not None and cluster.controller.pid:
+        roots.append(cluster.controller.pid)
+    for engine_set in cluster.engines.values():
+        roots.extend(launcher.pid for launcher in getattr(engine_set, "launchers", {}).values() if launcher.pid)
+    pids = set(roots)
+    for pid in roots:
+        try:
+            pids.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def restrict_security_files(profile_dir: str) -> None:
+    """Make every file in the profile's security folder readable by its owner only."""
+    security = Path(profile_dir) / "security"
+    for path in security.glob("*"):
+        path.chmod(stat.S_IRUSR | stat.S_IWUSR)
+
+
+def is_alive(pid: int) -> bool:
+    """True while the process runs (a zombie, killed but not yet reaped, counts as dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def signal_pids(pids: set[int], owned: set[int], sig: int) -> None:
+    """Send ``sig`` to each pid, refusing any the lab did not start."""
+    foreign = pids - owned
+    if foreign:
+        raise PermissionError(f"refusing to signal processes the lab did not start: {sorted(foreign)}")
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_source(source: EngineSource, wait_s: float = 5.0) -> list[int]:
+    """Stop what the lab started and return the PIDs that had to be killed.
+
+    ipyparallel stops its controller and engines first; any started process still
+    alive after ``wait_s`` is killed by PID. Attached (not owned) pools only lose
+    their client connection.
+    """
+    if source.client is not None:
+        source.client.close()
+    if not source.owned:
+        return []
+    if source.ipp_cluster is not None:
+        source.pids |= launched_pids(source.ipp_cluster)
+        try:
+            source.ipp_cluster.stop_cluster_sync()
+        except Exception:  # a half-dead cluster may fail to stop cleanly; the PIDs below still go
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in source.pids):
+        time.sleep(0.05)
+    killed = [p for p in source.pids if is_alive(p)]
+    signal_pids(set(killed), source.pids, signal.SIGKILL)
+    _reap(killed)
+    if source.profile_dir:
+        shutil.rmtree(source.profile_dir, ignore_errors=True)
+    return killed
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            psutil.Process(pid).wait(timeout=2)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired, ChildProcessError):
+            pass

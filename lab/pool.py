@@ -1,0 +1,43 @@
+"""The two ways to get a pool: start one on this machine, or attach to a running one."""
+from __future__ import annotations
+
+from lab import launch
+from lab.cluster import Cluster, default_rank_count
+
+
+def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | None = None,
+          timeout: float = 60.0, *, controller_ip: str = "127.0.0.1",
+          collective_timeout: float = 300.0, activate: bool = True) -> Cluster:
+    """Start ``n`` engines on this machine and build a torch.distributed world on them.
+
+    Args:
+        n: ranks; default one per visible GPU, or 4 CPU ranks when there is none.
+        backend: "auto" (NCCL when every rank has its own GPU, else gloo), "nccl" or "gloo".
+        threads_per_rank: torch threads per rank; default cores // ranks (at least 1).
+        timeout: seconds to wait for engines and for the process group to form.
+        controller_ip: where the controller listens; loopback unless you need other hosts.
+        collective_timeout: seconds a collective may wait before torch gives up.
+        activate: point IPython's ``%%px`` at the ranks when running in IPython.
+    """
+    n = default_rank_count() if n is None else n
+    if n < 1:
+        raise ValueError(f"n must be at least 1 rank, got {n}")
+    source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout)
+    return Cluster(source, backend=backend, threads_per_rank=threads_per_rank, timeout=timeout,
+                   collective_timeout=collective_timeout, activate=activate)
+
+
+def connect(profile: str | None = None, cluster_id: str | None = None, *, url_file: str | None = None,
+            profile_dir: str | None = None, n: int | None = None, backend: str = "auto",
+            threads_per_rank: int | None = None, timeout: float = 60.0,
+            collective_timeout: float = 300.0, activate: bool = True) -> Cluster:
+    """Attach to engines started by ``ipcluster`` (local, MPI, SSH or Slurm launchers).
+
+    Every engine becomes a rank. The lab never stops or kills these engines; it
+    only builds (and on ``stop()`` tears down) the process group on them.
+    ``n`` waits until that many engines have registered.
+    """
+    source = launch.connect_existing(profile, cluster_id, url_file=url_file, profile_dir=profile_dir,
+                                     n=n, timeout=timeout)
+    return Cluster(source, backend=backend, threads_per_rank=threads_per_rank, timeout=timeout,
+                   collective_timeout=collective_timeout, activate=activate)

@@ -1,0 +1,112 @@
+"""Waiting on ranks without hanging: results, remote failures, dead engines and deadlines.
+
+The driver never blocks on one rank. It waits on all of them at once, in short
+slices, and between slices asks whether any engine process has died, so a dead
+rank is noticed within a slice rather than after ipyparallel's heartbeat timeout.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipyparallel import AsyncResult
+from ipyparallel.error import RemoteError
+
+from lab.records import RankFailure, RankMap
+
+# Messages of errors a rank gets only because a peer left the collective it was in.
+_PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL communicator was aborted", "Socket Timeout", "Connection refused")
+
+POLL_S = 0.25
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class Outcome:
+    """What became of a call's per-rank futures so far."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    dead: set[int] = field(default_factory=set)
+    pending: dict[int, AsyncResult] = field(default_factory=dict)
+    finished_at: dict[int, float] = field(default_factory=dict)
+    deadline_hit: bool = False  # the wait ended because the deadline passed
+
+    @property
+    def clean(self) -> bool:
+        """True when every rank returned a result."""
+        return not (self.pending or self.errors or self.dead)
+
+
+def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], *,
+               deadline: float | None = None, stop_on_failure: bool = True,
+               outcome: Outcome | None = None) -> Outcome:
+    """Wait until every rank is done, one fails or dies (if ``stop_on_failure``), or the deadline.
+
+    ``deadline`` is a ``time.monotonic()`` value. Ranks still running on return stay
+    in ``outcome.pending``.
+    """
+    out = outcome or Outcome()
+    out.pending.update(pending)
+    by_future = {id(ar): rank for rank, ar in out.pending.items()}
+    while out.pending:
+        slice_s = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+        done, _ = futures.wait(list(out.pending.values()), timeout=slice_s,
+                               return_when=futures.FIRST_COMPLETED)
+        for ar in done:
+            _collect(out, by_future[id(ar)], ar)
+        out.dead.update(r for r in list(out.pending) if is_dead(r))
+        for rank in out.dead:
+            out.pending.pop(rank, None)
+        if stop_on_failure and (out.errors or out.dead):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            out.deadline_hit = bool(out.pending)
+            break
+    return out
+
+
+def _collect(out: Outcome, rank: int, ar: AsyncResult) -> None:
+    out.pending.pop(rank, None)
+    out.finished_at[rank] = time.monotonic()
+    error = ar.exception()
+    if error is None:
+        out.results[rank] = ar.result()
+    else:
+        out.errors[rank] = error
+
+
+def describe_failures(out: Outcome, rank_map: RankMap, *, interrupted: set[int] = frozenset(),
+                      timed_out: set[int] = frozenset()) -> list[RankFailure]:
+    """Turn an outcome into failures, the cause first.
+
+    The cause is the earliest failure that is not collateral; a rank is collateral
+    when its error says a peer left, or when the lab itself interrupted it.
+    """
+    hosts = {r.rank: r.host for r in rank_map.ranks}
+    pids = {r.rank: r.pid for r in rank_map.ranks}
+    failures = []
+    for rank in sorted(out.dead):
+        failures.append((0.0, RankFailure(rank, hosts[rank], "EngineDied",
+                                          f"the engine process (pid {pids[rank]}) on {hosts[rank]} is gone", "")))
+    for rank, error in out.errors.items():
+        ename, evalue, tb = _remote_parts(error)
+        # The peer-left message may sit in the chained context that the traceback prints.
+        collateral = rank in interrupted or any(m in evalue or m in tb for m in _PEER_LEFT)
+        failures.append((out.finished_at.get(rank, 0.0), RankFailure(rank, hosts[rank], ename, evalue, tb, collateral)))
+    for rank in sorted(timed_out - set(out.errors) - out.dead):
+        failures.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout", "did not finish in time", "")))
+    failures.sort(key=lambda pair: (pair[1].collateral, pair[0]))
+    return [f for _, f in failures]
+
+
+def _remote_parts(error: BaseException) -> tuple[str, str, str]:
+    if isinstance(error, RemoteError):
+        # Engines format tracebacks for a colour terminal; records and messages keep plain text.
+        return error.ename, str(error.evalue), _ANSI.sub("", error.traceback or "")
+    return type(error).__name__, str(error), ""

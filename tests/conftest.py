@@ -1,0 +1,24 @@
+"""Shared fixtures: a 4-rank CPU pool that is always stopped, whatever the test did."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import lab
+
+
+def start_pool(n: int = 4) -> lab.Cluster:
+    """A local gloo pool with short timeouts, quiet about oversubscribing the CPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lab.OversubscribedWarning)
+        return lab.start(n=n, backend="gloo", timeout=60, collective_timeout=60, activate=False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pool = start_pool(4)
+    try:
+        yield pool
+    finally:
+        pool.stop()

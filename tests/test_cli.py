@@ -1,0 +1,27 @@
+"""The console script's main job runs every collective and checks each result."""
+from __future__ import annotations
+
+import subprocess
+
+from lab.demo import expected_output
+
+
+def test_expected_values_are_computed_by_hand_not_by_torch():
+    assert expected_output("all_reduce", 0, 4) == [10.0, 100.0]
+    assert expected_output("reduce_scatter", 1, 2) == [1.0 + 101.0]
+    assert expected_output("send_recv", 0, 4) == [3.0]
+    assert expected_output("broadcast", 3, 4) == [7.0]
+
+
+def test_demo_prints_every_collective_for_every_rank_and_all_match():
+    done = subprocess.run(["cluster-lab", "--ranks", "2", "demo"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"):
+        assert sum(line.startswith(op) for line in done.stdout.splitlines()) == 2
+    assert "10 of 10 collective results match" in done.stdout
+
+
+def test_info_prints_the_rank_table():
+    done = subprocess.run(["cluster-lab", "--ranks", "2", "info"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "rank  host" in done.stdout and "gloo" in done.stdout

@@ -1,0 +1,56 @@
+"""The project's shape holds: import boundaries, the shadow guard, the console script."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab._shadow_guard import ShadowedPackageError, check_own_packages
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imported_top_levels(package: str) -> dict[str, set[str]]:
+    found = {}
+    for path in (ROOT / package).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+@pytest.mark.parametrize("package, forbidden", [("kernels", {"lab", "widgets"}), ("widgets", {"torch", "kernels"})])
+def test_layers_never_import_across_the_forbidden_lines(package, forbidden):
+    offenders = {f: names & forbidden for f, names in imported_top_levels(package).items() if names & forbidden}
+    assert not offenders, f"{package} must not import {sorted(forbidden)}: {offenders}"
+
+
+def test_guard_accepts_this_checkout():
+    check_own_packages()
+
+
+def test_guard_rejects_packages_resolved_elsewhere(tmp_path):
+    with pytest.raises(ShadowedPackageError, match="shadows it"):
+        check_own_packages(root=tmp_path)
+
+
+def test_import_lab_names_the_package_that_shadows_kernels(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    done = subprocess.run([sys.executable, "-c", "import lab"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "ShadowedPackageError" in done.stderr and str(tmp_path / "kernels") in done.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest" in readme and "python -m pytest" in ci.splitlines()[-1]
+    assert ci.index("torch==2.13.0") < ci.index('-e ".[test]"')

@@ -1,0 +1,94 @@
+"""A pool starts, numbers its ranks, runs code, binds %%px names and shows its rank table."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+import lab
+
+
+def rank_sum(offset: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank()) + offset])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_world_of_four_cpu_ranks_is_verified_by_all_reduce(cluster):
+    assert cluster.world_size == 4 and cluster.backend == "gloo"
+    assert [r.rank for r in cluster.rank_map.ranks] == [0, 1, 2, 3]
+    assert all(r.device == "cpu" for r in cluster.rank_map.ranks)
+    assert cluster.run(rank_sum, 1.0) == [10.0] * 4
+
+
+def test_results_are_indexed_by_rank_and_subsets_come_back_as_dict(cluster):
+    import torch.distributed as dist  # noqa: F401  (the function below runs on the ranks)
+
+    def who(tag):
+        import os
+        import torch.distributed as dist
+        return (dist.get_rank(), os.getpid(), tag)
+
+    results = cluster.run(who, "x")
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert [r[1] for r in results] == [r.pid for r in cluster.rank_map.ranks]
+    subset = cluster.run(who, "y", ranks=[3, 1])
+    assert set(subset) == {1, 3} and subset[3][0] == 3 and subset[1][2] == "y"
+    with pytest.raises(ValueError, match="ranks 0..3"):
+        cluster.run(who, "z", ranks=[7])
+
+
+def test_push_and_pull_bind_names_on_every_rank(cluster):
+    cluster.push({"greeting": "hi"})
+    assert cluster.pull("greeting") == ["hi"] * 4
+    assert cluster.pull("rank") == [0, 1, 2, 3]
+    assert cluster.pull("world", ranks=[2]) == {2: 4}
+
+
+def test_px_cells_see_rank_world_device_torch_and_dist(cluster):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    cluster.activate()
+    shell.run_cell_magic("px", "", "t = torch.full((2,), float(rank)); dist.all_reduce(t)\n"
+                                   "seen = (rank, world, str(device), t.tolist())")
+    assert cluster.pull("seen") == [(r, 4, "cpu", [6.0, 6.0]) for r in range(4)]
+
+
+def test_rank_table_shows_rank_host_pid_device_backend_threads(cluster):
+    text = repr(cluster)
+    for column in ("rank", "host", "pid", "device", "backend", "threads"):
+        assert column in text.splitlines()[1]
+    assert str(cluster.rank_map.ranks[3].pid) in text
+    page = cluster._repr_html_()
+    assert page.count("<tr") == 5 and "gloo" in page and "cluster-lab-ranks" in page
+
+
+def test_threads_per_rank_are_set_and_oversubscription_is_warned():
+    if os.cpu_count() >= 4:
+        pytest.skip("this machine has enough cores for 4 ranks: no oversubscription to warn about")
+    with pytest.warns(lab.OversubscribedWarning, match="4 ranks share"):
+        pool = lab.start(n=4, backend="gloo", timeout=60, activate=False)
+    with pool:
+        assert pool.threads == 1
+
+        def threads():
+            import torch
+            return torch.get_num_threads()
+
+        assert pool.run(threads) == [1] * 4
+
+
+def test_controller_is_on_loopback_signed_and_its_files_are_private(cluster):
+    config = cluster._source.client._config
+    assert config["interface"] == "tcp://127.0.0.1"
+    assert config["key"] and config["signature_scheme"].startswith("hmac-")
+    profile = Path(cluster._source.profile_dir)
+    assert stat.S_IMODE(profile.stat().st_mode) & 0o077 == 0
+    files = list((profile / "security").glob("*.json"))
+    assert files and all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)

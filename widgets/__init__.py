@@ -1,0 +1,1 @@
+"""Views only: widgets and matplotlib figures fed by plain records; never imports torch or kernels."""
