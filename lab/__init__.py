@@ -12,10 +12,14 @@ check_own_packages()
 
 from lab.cluster import Cluster, OversubscribedWarning  # noqa: E402
 from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError  # noqa: E402
+from lab.parallel import Parallel, ParallelConfigError  # noqa: E402
+from lab.planner import Plan, plan  # noqa: E402
 from lab.pool import connect, start  # noqa: E402
+from lab.recommend import recommend  # noqa: E402
 from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
 
 __all__ = [
-    "Cluster", "DeadRankError", "LabError", "OversubscribedWarning", "PoolStoppedError", "RankError",
-    "RankMapError", "RankTimeoutError", "build_rank_map", "connect", "start",
+    "Cluster", "DeadRankError", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
+    "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "build_rank_map", "connect", "plan",
+    "recommend", "start",
 ]

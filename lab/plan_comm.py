@@ -1,0 +1,143 @@
+"""Per-iteration communication of one rank, by collective, phase, axis and link.
+
+Every entry is counted as nccl-tests counts it: ``payload_bytes`` is the tensor a call
+works on (the whole gathered tensor for all_gather, the whole input for
+reduce_scatter), and the bytes one rank puts on the wire are payload × the busbw
+factor (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1; DESIGN §3).
+
+What is counted, per iteration with M micro-batches per dp rank:
+
+- dp axis, ZeRO-0 (DDP): one gradient all-reduce after accumulation.
+- ZeRO-1: one gradient reduce-scatter, one all-gather of the updated parameters
+  (the ZeRO paper's 2Ψ; torch's ZeroRedundancyOptimizer all-reduces instead, 3Ψ).
+- ZeRO-2 / FSDP grad_op: a parameter all-gather per micro-batch forward, and a
+  gradient reduce-scatter per micro-batch, which keeps gradients sharded (the extra
+  reduce-scatters are why ZeRO-2 and PP mix badly, seeds/004 "ZeRO DP+PP+TP").
+- ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward
+  (DESIGN §3: "all-gather twice plus reduce-scatter once").
+- FSDP hybrid: ZeRO-2/3 inside a node, plus an all-reduce of the gradient shard across
+  nodes after each reduce-scatter.
+- tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP
+  out) and two backward (their conjugates), two more forward under recomputation;
+  with sequence parallelism each all-reduce becomes an all-gather plus a
+  reduce-scatter of the same total.
+- pp axis: per micro-batch and virtual stage, one activation send forward and one
+  gradient send backward. A middle stage does both; the first and last do one.
+Pure Python; no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lab.plan_math import busbw_factor, pp_p2p_bytes, tp_allreduce_bytes
+from lab.plan_mesh import Layout, axis_link, groups_link, hybrid_groups
+
+
+@dataclass(frozen=True)
+class CommEntry:
+    """One kind of call one rank makes per iteration."""
+
+    axis: str  # "dp", "dp_shard", "dp_replicate", "tp" or "pp"
+    op: str  # "all_reduce", "all_gather", "reduce_scatter" or "p2p"
+    phase: str  # "fwd", "bwd", "recompute" or "step" (after backward, at the optimizer)
+    link: str  # "intra" (inside a node) or "inter" (between nodes)
+    group_size: int
+    count: int  # calls per iteration
+    payload_bytes: float  # per call
+    total_payload: float  # count × payload_bytes
+    wire_bytes: float  # bytes this rank sends: total_payload × busbw factor
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able fields."""
+        return dict(self.__dict__)
+
+
+def entry(axis: str, op: str, phase: str, link: str, n: int, count: int, payload: float) -> CommEntry:
+    """A CommEntry with totals filled in."""
+    total = count * payload
+    return CommEntry(axis, op, phase, link, n, count, payload, total, total * busbw_factor(op, n))
+
+
+@dataclass(frozen=True)
+class Work:
+    """The sizes a rank's traffic depends on."""
+
+    psi_local: float  # parameters on this rank after TP and PP (before dp sharding)
+    elem_bytes: int  # bytes per parameter, gradient and activation element
+    micro_batch: int
+    microbatches: int  # M, per iteration and dp rank
+    seq_len: int
+    hidden: int | None  # None for a count-only model: no TP/PP traffic can be sized
+    layers_on_rank: int | None
+
+
+def dp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Gradient/parameter traffic on the data-parallel axis."""
+    if lay.dp == 1:
+        return []
+    if lay.fsdp_strategy == "hybrid":
+        return _hybrid_entries(lay, w, gpus_per_node)
+    link = axis_link(lay, "dp", gpus_per_node)
+    return _sharded_entries("dp", lay.zero, lay.dp, link, w)
+
+
+def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work) -> list[CommEntry]:
+    full, m = w.psi_local * w.elem_bytes, w.microbatches
+    if n == 1:
+        return []
+    if zero == 0:
+        return [entry(axis, "all_reduce", "bwd", link, n, 1, full)]
+    if zero == 1:
+        return [entry(axis, "reduce_scatter", "bwd", link, n, 1, full),
+                entry(axis, "all_gather", "step", link, n, 1, full)]
+    out = [entry(axis, "all_gather", "fwd", link, n, m, full)]
+    if zero == 3:
+        out.append(entry(axis, "all_gather", "bwd", link, n, m, full))
+    out.append(entry(axis, "reduce_scatter", "bwd", link, n, m, full))
+    return out
+
+
+def _hybrid_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    shard, replicate = hybrid_groups(lay, gpus_per_node)
+    s, r = len(shard[0]), len(replicate[0])
+    out = _sharded_entries("dp_shard", lay.zero, s, groups_link(shard, gpus_per_node), w)
+    if r > 1:
+        grad_shard = w.psi_local * w.elem_bytes / s
+        out.append(entry("dp_replicate", "all_reduce", "bwd", groups_link(replicate, gpus_per_node),
+                         r, w.microbatches, grad_shard))
+    return out
+
+
+def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Megatron's block-output all-reduces (or SP's all-gather + reduce-scatter pairs)."""
+    if lay.tp == 1 or w.hidden is None or w.layers_on_rank is None:
+        return []
+    link = axis_link(lay, "tp", gpus_per_node)
+    payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
+    per_phase = 2 * w.layers_on_rank * w.microbatches
+    phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing else [])
+    out = []
+    for phase in phases:
+        if lay.sequence_parallel:
+            out.append(entry("tp", "all_gather", phase, link, lay.tp, per_phase, payload))
+            out.append(entry("tp", "reduce_scatter", phase, link, lay.tp, per_phase, payload))
+        else:
+            out.append(entry("tp", "all_reduce", phase, link, lay.tp, per_phase, payload))
+    return out
+
+
+def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Stage-boundary sends of a middle stage: activations forward, gradients backward."""
+    if lay.pp == 1 or w.hidden is None:
+        return []
+    link = axis_link(lay, "pp", gpus_per_node)
+    payload = pp_p2p_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
+    count = w.microbatches * lay.virtual_stages
+    return [entry("pp", "p2p", "fwd", link, lay.pp, count, payload),
+            entry("pp", "p2p", "bwd", link, lay.pp, count, payload)]
+
+
+def all_entries(lay: Layout, w: Work, gpus_per_node: int) -> tuple[CommEntry, ...]:
+    """Every entry of one iteration, dp then tp then pp."""
+    return tuple(dp_entries(lay, w, gpus_per_node) + tp_entries(lay, w, gpus_per_node)
+                 + pp_entries(lay, w, gpus_per_node))

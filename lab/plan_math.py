@@ -1,0 +1,177 @@
+"""The planner's formulas, each one small and named after where it comes from.
+
+Sources: DESIGN §3 (ZeRO reference, bus bandwidth, bubble), the ZeRO paper
+(Rajbhandari et al. 2020), Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021),
+Korthikanti et al. 2022 (activation recomputation), and the seeds in shared/seeds/,
+whose worked examples the tests reproduce.
+
+Conventions, followed from the seeds: GB means 1e9 bytes ("70B × 2 bytes = 140GB"),
+and a GPU's "80GB" is 80e9 bytes. Bandwidths are in GB/s (1e9 bytes per second);
+``gbps`` converts to the network's Gbit/s ("245GB/s = 1,960Gbps").
+Pure Python; no torch.
+"""
+from __future__ import annotations
+
+import math
+
+GB = 1e9  # the seeds' GB: 140GB = 70e9 params × 2 bytes
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Optimizer-state bytes per parameter (DESIGN's K), by the training dtype.
+# Mixed precision (bf16/fp16) keeps an fp32 master copy beside Adam's two fp32 moments:
+# K = 4 + 4 + 4 = 12 (ZeRO paper §3.1; DESIGN §3). In fp32 the parameters are the
+# master copy, so only the moments remain: K = 8. "adam_bf16" is the seeds/000
+# convention (momentum + variance in bf16, no master copy): K = 4, which gives its
+# "Optimizer States (Adam): 280GB" for 70B parameters.
+OPTIMIZER_BYTES = {
+    "adam": {"mixed": 12, "fp32": 8},
+    "adam_bf16": {"mixed": 4, "fp32": 4},
+    "sgd": {"mixed": 4, "fp32": 0},  # mixed: the fp32 master copy only
+    "sgd_momentum": {"mixed": 8, "fp32": 4},
+}
+_OPT_ALIASES = {"adamw": "adam", "adambf16": "adam_bf16", "adamwbf16": "adam_bf16",
+                "sgdmomentum": "sgd_momentum", "momentum": "sgd_momentum"}
+
+# Bytes of saved activations per token, per hidden unit, per layer, in 16-bit training:
+# "Activations ≈ batch_size × seq_length × hidden_size × num_layers × 16" (seeds/000,
+# FSDP §1, "an empirical value covering the attention and feed-forward intermediates").
+ACTIVATION_FACTOR = 16
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per parameter and gradient element for a training dtype ("bf16", "fp16", "fp32")."""
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def optimizer_bytes(optimizer: str | float, dtype: str = "bf16") -> float:
+    """Optimizer-state bytes per parameter (K). A number is taken as K itself."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        return float(optimizer)
+    key = "".join(ch for ch in str(optimizer).lower() if ch.isalnum())
+    name = _OPT_ALIASES.get(key, str(optimizer).lower().replace("-", "_"))
+    if name not in OPTIMIZER_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_BYTES)} "
+                         "or a number of bytes per parameter")
+    return float(OPTIMIZER_BYTES[name]["fp32" if dtype_bytes(dtype) == 4 else "mixed"])
+
+
+def zero_memory(psi: float, n: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
+                opt_bytes: float = 12) -> tuple[float, float, float]:
+    """Per-rank (parameters, gradients, optimizer) bytes for ZeRO stage 0-3 (DESIGN §3).
+
+    DDP (2+2+K)Ψ; ZeRO-1 (2+2+K/N)Ψ; ZeRO-2 (2+(2+K)/N)Ψ; ZeRO-3 (2+2+K)Ψ/N. ZeRO-2
+    holds whole parameters during forward and backward, which is the peak counted here.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    if n < 1:
+        raise ValueError(f"N must be >= 1, got {n}")
+    params = psi * param_bytes / (n if stage >= 3 else 1)
+    grads = psi * grad_bytes / (n if stage >= 2 else 1)
+    opt = psi * opt_bytes / (n if stage >= 1 else 1)
+    return params, grads, opt
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw/algbw factor, which is also wire bytes per rank / payload bytes.
+
+    all_reduce 2(n-1)/n; all_gather and reduce_scatter (n-1)/n; broadcast and p2p 1.
+    """
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {n}")
+    op = op.lower().replace("-", "_")
+    if op in ("all_reduce", "allreduce"):
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "allgather", "reduce_scatter", "reducescatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "p2p", "send", "recv", "send_recv"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle share of a pipeline step: GPipe/1F1B (p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1)."""
+    _check_pipe(p, m, v)
+    return (p - 1) / (v * m + p - 1)
+
+
+def megatron_bubble(p: int, m: int, v: int = 1) -> float:
+    """Megatron's bubble-to-ideal ratio (p-1)/m, interleaved (p-1)/(v·m) (Narayanan et al. 2021)."""
+    _check_pipe(p, m, v)
+    return (p - 1) / (v * m)
+
+
+def _check_pipe(p: int, m: int, v: int) -> None:
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
+
+
+def activation_bytes(b: float, s: float, h: float, layers: float, elem_bytes: float = 2) -> float:
+    """The seeds' activation estimate b·s·h·L·16 bytes for 16-bit training (seeds/000).
+
+    The 16 is for 16-bit tensors; fp32 doubles it (``elem_bytes=4``).
+    """
+    return b * s * h * layers * ACTIVATION_FACTOR * elem_bytes / 2
+
+
+def checkpointed_activation_bytes(b: float, s: float, h: float, layers: float,
+                                  elem_bytes: float = 2) -> float:
+    """Full per-block recomputation: each block keeps only its input b·s·h, plus one
+    block's full working set while it is recomputed (Korthikanti et al. 2022 §4)."""
+    return b * s * h * layers * elem_bytes + activation_bytes(b, s, h, 1, elem_bytes)
+
+
+def tp_allreduce_bytes(b: float, s: float, h: float, elem_bytes: float = 2) -> float:
+    """Payload of one Megatron TP all-reduce: the block output b·s·h (seeds/000 TP §2:
+    "Hidden_size × Batch_size × Seq_length × 2 bytes" per layer)."""
+    return b * s * h * elem_bytes
+
+
+def pp_p2p_bytes(b: float, s: float, h: float, elem_bytes: float = 2) -> float:
+    """Payload of one stage-boundary send: a micro-batch's activation b·s·h (seeds/000 PP §2)."""
+    return b * s * h * elem_bytes
+
+
+def fsdp_comm_bytes(param_bytes: float, n: int, reshard_after_forward: bool = True) -> dict[str, float]:
+    """Bytes each rank sends per FSDP pass, by collective (seeds/000 FSDP §2; DESIGN §3).
+
+    Forward all-gather and backward reduce-scatter send param_bytes·(n-1)/n each;
+    ``reshard_after_forward`` adds the backward all-gather (DESIGN's "all-gather twice
+    plus reduce-scatter once"). The seeds' 245GB for 70B on 8 GPUs counts only the first two.
+    """
+    one = param_bytes * busbw_factor("all_gather", n)
+    out = {"all_gather_fwd": one, "reduce_scatter_bwd": one}
+    if reshard_after_forward:
+        out["all_gather_bwd"] = one
+    return out
+
+
+def tp_size_for_memory(params_grads_bytes: float, gpu_mem_bytes: float, act_bytes: float,
+                       gpus_per_node: int, max_tp: int = 8) -> tuple[float, int]:
+    """The seeds' TP sizing: TP ≥ (Parameters + Gradients) / (GPU_memory − Activations),
+    rounded up to a divisor of the node's GPU count, at most min(max_tp, gpus_per_node)
+    (seeds/000 TP §3). Returns (the raw ratio, the TP size); the size is capped, so check
+    the ratio against it to know whether TP alone suffices."""
+    room = gpu_mem_bytes - act_bytes
+    if room <= 0:
+        return math.inf, min(max_tp, gpus_per_node)
+    ratio = params_grads_bytes / room
+    cap = min(max_tp, gpus_per_node)
+    sizes = [d for d in range(1, cap + 1) if gpus_per_node % d == 0]
+    return ratio, next((d for d in sizes if d >= ratio), sizes[-1])
+
+
+def required_bandwidth(wire_bytes: float, seconds: float) -> float:
+    """GB/s needed to move ``wire_bytes`` in ``seconds`` ("245GB / 1s = 245GB/s", seeds/000)."""
+    if seconds <= 0:
+        raise ValueError(f"target time must be positive, got {seconds}")
+    return wire_bytes / seconds / GB
+
+
+def gbps(gb_per_s: float) -> float:
+    """GB/s to the network's Gbit/s (245 GB/s = 1,960 Gbps)."""
+    return gb_per_s * 8

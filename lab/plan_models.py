@@ -1,0 +1,155 @@
+"""Model presets for the analytic planner: parameter counts and transformer shapes.
+
+Each preset carries two parameter counts:
+
+- ``params``: the round figure in the model's name (70e9 for Llama-3 70B). The seeds
+  size everything with it ("70B × 2 bytes = 140GB", seeds/000 §FSDP; "1.5B × 16 = 24GB",
+  seeds/001 §4.2.6), so the planner does too, and its figures match theirs.
+- ``shape_params``: the count from the real shape (70.55e9 for Llama-3 70B), for
+  whoever wants the exact figure: pass ``custom_model(..., params=None)`` or
+  ``model.exact()``.
+
+The shapes are the published configs (GPT-2 and GPT-3 papers, Meta's Llama 3 model
+cards and config.json files, BERT's paper). ResNet-50 has no transformer shape, so it
+is known by its parameter count only; activation and TP/PP traffic need a shape.
+Pure Python; no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it: a parameter count and, where known, a shape."""
+
+    name: str
+    params: float  # parameters used for sizing (the nominal figure for presets)
+    layers: int | None = None  # transformer blocks
+    hidden: int | None = None  # d_model
+    heads: int | None = None  # attention (query) heads
+    kv_heads: int | None = None  # key/value heads (GQA); None means = heads
+    ffn: int | None = None  # MLP inner size
+    vocab: int | None = None
+    seq_len: int = 2048  # default sequence length when plan() is given none
+    gated_mlp: bool = False  # SwiGLU: three ffn matrices instead of two (Llama)
+    tied_embeddings: bool = True  # output head shares the input embedding (GPT-2/3, BERT)
+    learned_pos: bool = True  # learned position table of seq_len x hidden (GPT, BERT); RoPE has none
+    bias: bool = True  # linear and LayerNorm biases (GPT, BERT); Llama has none
+
+    @property
+    def has_shape(self) -> bool:
+        """True when layers and hidden are known, so activations and TP/PP traffic can be sized."""
+        return self.layers is not None and self.hidden is not None
+
+    @property
+    def shape_params(self) -> float | None:
+        """Parameters counted from the shape, or None for a count-only model."""
+        if not self.has_shape or self.ffn is None or self.vocab is None:
+            return None
+        return float(_count_from_shape(self))
+
+    def exact(self) -> "ModelSpec":
+        """The same model sized by its shape-derived count instead of the nominal one."""
+        exact = self.shape_params
+        if exact is None:
+            return self
+        return dataclasses.replace(self, params=exact, name=f"{self.name} (exact)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields."""
+        return dataclasses.asdict(self)
+
+
+def _count_from_shape(m: ModelSpec) -> int:
+    """Weights of a decoder/encoder stack: attention, MLP, norms, embeddings, head."""
+    h, heads = m.hidden, m.heads or 1
+    kv_dim = (m.kv_heads or heads) * (h // heads)  # GQA shrinks only k and v
+    attn = 2 * h * h + 2 * h * kv_dim + (2 * h + 2 * kv_dim if m.bias else 0)
+    mlp = (3 if m.gated_mlp else 2) * h * m.ffn + ((m.ffn + h) if m.bias else 0)
+    norms = (4 if m.bias else 2) * h  # two norms per block, weight (+ bias)
+    embed = m.vocab * h + (m.seq_len * h if m.learned_pos else 0)
+    head = 0 if m.tied_embeddings else m.vocab * h
+    return m.layers * (attn + mlp + norms) + embed + head + (2 if m.bias else 1) * h
+
+
+_LLAMA = dict(gated_mlp=True, tied_embeddings=False, learned_pos=False, bias=False, vocab=128256)
+
+PRESETS: dict[str, ModelSpec] = {
+    "gpt2-1.5b": ModelSpec("gpt2-1.5b", 1.5e9, 48, 1600, 25, None, 6400, 50257, seq_len=1024),
+    "gpt3-175b": ModelSpec("gpt3-175b", 175e9, 96, 12288, 96, None, 49152, 50257, seq_len=2048),
+    "llama3-8b": ModelSpec("llama3-8b", 8e9, 32, 4096, 32, 8, 14336, seq_len=8192, **_LLAMA),
+    "llama3-70b": ModelSpec("llama3-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=8192, **_LLAMA),
+    "llama3.1-405b": ModelSpec("llama3.1-405b", 405e9, 126, 16384, 128, 8, 53248, seq_len=8192,
+                               **_LLAMA),
+    # Llama-2 70B is the seeds/003 table's 70B row; same blocks as Llama-3 70B, 32k vocab, 4k context.
+    "llama2-70b": ModelSpec("llama2-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=4096,
+                            **{**_LLAMA, "vocab": 32000}),
+    "bert-base": ModelSpec("bert-base", 110e6, 12, 768, 12, None, 3072, 30522, seq_len=512),
+    # seeds/003 lists ResNet-50 at 25M parameters (the real count is 25.6M); no transformer shape.
+    "resnet-50": ModelSpec("resnet-50", 25e6),
+}
+
+_ALIASES = {
+    "gpt2xl": "gpt2-1.5b", "gpt21.5b": "gpt2-1.5b", "gpt3": "gpt3-175b", "llama38b": "llama3-8b",
+    "llama370b": "llama3-70b", "llama31405b": "llama3.1-405b", "llama3405b": "llama3.1-405b",
+    "llama270b": "llama2-70b", "bert": "bert-base", "bertbase": "bert-base",
+    "bertbaseuncased": "bert-base", "resnet50": "resnet-50", "resnet": "resnet-50",
+}
+
+
+def _key(name: str) -> str:
+    """Lower-case and drop separators, so "Llama-3-70B", "llama3_70b" and "llama3-70b" agree."""
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+_LOOKUP = {**{_key(k): k for k in PRESETS}, **{_key(k): v for k, v in _ALIASES.items()}}
+
+
+def preset_names() -> tuple[str, ...]:
+    """The canonical preset names."""
+    return tuple(PRESETS)
+
+
+def custom_model(name: str = "custom", *, params: float | None = None, layers: int | None = None,
+                 hidden: int | None = None, heads: int | None = None, ffn: int | None = None,
+                 vocab: int | None = None, **shape: Any) -> ModelSpec:
+    """A model by shape (layers, hidden, heads, ffn, vocab), by parameter count, or both.
+
+    Given a shape and no ``params``, the count comes from the shape. ``ffn`` defaults to
+    4·hidden (GPT) and ``heads`` to hidden/128. Extra keywords are ModelSpec fields
+    (kv_heads, seq_len, gated_mlp, tied_embeddings, learned_pos, bias).
+    """
+    if params is None and (layers is None or hidden is None or vocab is None):
+        raise ValueError("a custom model needs params=..., or layers, hidden and vocab")
+    if hidden is not None:
+        ffn = ffn if ffn is not None else 4 * hidden
+        heads = heads if heads is not None else max(1, hidden // 128)
+    spec = ModelSpec(name, float(params or 0.0), layers, hidden, heads, ffn=ffn, vocab=vocab, **shape)
+    if params is None:
+        spec = dataclasses.replace(spec, params=spec.shape_params)
+    if spec.params <= 0:
+        raise ValueError(f"parameter count must be positive, got {spec.params}")
+    return spec
+
+
+def get_model(model: str | float | int | ModelSpec | Mapping[str, Any]) -> ModelSpec:
+    """Resolve a preset name (any case/separators), a ModelSpec, a dict of fields, or a count."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Mapping):
+        return custom_model(**dict(model))
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        if not math.isfinite(model) or model <= 0:
+            raise ValueError(f"parameter count must be positive, got {model}")
+        return custom_model(f"{model / 1e9:g}B params", params=float(model))
+    if isinstance(model, str):
+        canonical = _LOOKUP.get(_key(model))
+        if canonical is None:
+            raise ValueError(f"unknown model {model!r}; presets: {', '.join(PRESETS)}, "
+                             "or pass custom_model(...) / a dict / a parameter count")
+        return PRESETS[canonical]
+    raise TypeError(f"model must be a name, a count, a dict or a ModelSpec, not {type(model).__name__}")
