@@ -97,7 +97,10 @@ class Cluster:
         rebuilt on every live rank before the error is raised.
         """
         targets = self._targets(ranks)
-        pending = {r: self._views[r].apply_async(runtime.call_guarded, fn, args, kwargs) for r in targets}
+        # One multi-target message serialises the call once; split() gives a future per rank.
+        submitted = self._source.client[[self._engine_of(r) for r in targets]].apply_async(
+            runtime.call_guarded, fn, args, kwargs)
+        pending = dict(zip(targets, submitted.split()))
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -209,6 +212,9 @@ class Cluster:
                             gpus=tuple(d["gpus"]), cpu_count=d["cpu_count"]) for eid, d in zip(ids, described)]
         self._rank_map = build_rank_map(infos, self._backend_request)
         self._views = {r.rank: client[r.engine_id] for r in self._rank_map.ranks}
+        # Only this machine's engines can be checked by PID; others rely on ipyparallel's heartbeat.
+        here = socket.gethostname()
+        self._local_pids = {r.pid for r in self._rank_map.ranks if r.host == here}
         self._threads = self._pick_threads(infos)
         self._states = {}
 
@@ -307,11 +313,7 @@ class Cluster:
         info = self._rank_map.ranks[rank]
         if info.engine_id not in self._source.client.ids:
             return True
-        return info.host == socket.gethostname() and info.pid in self._local_pids() and not launch.is_alive(info.pid)
-
-    def _local_pids(self) -> set[int]:
-        # Only this machine's engines can be checked by PID; others rely on ipyparallel's heartbeat.
-        return {r.pid for r in self._rank_map.ranks if r.host == socket.gethostname()}
+        return info.pid in self._local_pids and not launch.is_alive(info.pid)
 
     def _targets(self, ranks: Iterable[int] | None) -> list[int]:
         self._check_not_stopped()

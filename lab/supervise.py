@@ -56,8 +56,10 @@ def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], 
     by_future = {id(ar): rank for rank, ar in out.pending.items()}
     while out.pending:
         slice_s = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+        # FIRST_EXCEPTION returns once everything is done (one wake-up on the happy path)
+        # or as soon as a rank fails; the slice bounds how late a death is noticed.
         done, _ = futures.wait(list(out.pending.values()), timeout=slice_s,
-                               return_when=futures.FIRST_COMPLETED)
+                               return_when=futures.FIRST_EXCEPTION)
         for ar in done:
             _collect(out, by_future[id(ar)], ar)
         out.dead.update(r for r in list(out.pending) if is_dead(r))

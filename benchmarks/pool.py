@@ -1,0 +1,113 @@
+"""Lab overhead against raw ipyparallel, measured in one run on this machine.
+
+1. Latency of a no-op on every rank: ``cluster.run(noop)`` vs ``DirectView.apply_sync(noop)``
+   on the same engines, interleaved so both see the same machine load (goal ≤ 1.2×).
+2. Start-up: ``lab.start()`` (engines + verified process group + %%px names) vs a raw
+   ``ipyparallel.Cluster`` start plus a hand-written ``init_process_group`` and one
+   all_reduce (goal ≤ 1.3×).
+
+Run: ``python benchmarks/pool.py [--ranks 4] [--calls 200] [--starts 2]``
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+import warnings
+
+import ipyparallel as ipp
+
+import lab
+
+
+def noop() -> None:
+    return None
+
+
+def raw_join(rank: int, world: int, port: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def raw_leave() -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_raw_start(n: int) -> float:
+    began = time.perf_counter()
+    cluster = ipp.Cluster(n=n, log_level=40)
+    client = cluster.start_and_connect_sync(activate=False)
+    client.wait_for_engines(n, timeout=120)
+    ids = sorted(client.ids)
+    port = free_port()
+    ars = [client[eid].apply_async(raw_join, rank, n, port) for rank, eid in enumerate(ids)]
+    [ar.get(timeout=120) for ar in ars]
+    elapsed = time.perf_counter() - began
+    client[ids].apply_sync(raw_leave)
+    cluster.stop_cluster_sync()
+    return elapsed
+
+
+def time_lab_start(n: int) -> float:
+    began = time.perf_counter()
+    cluster = lab.start(n=n, backend="gloo", activate=False)
+    elapsed = time.perf_counter() - began
+    cluster.stop()
+    return elapsed
+
+
+def latency(n: int, calls: int) -> tuple[float, float]:
+    with lab.start(n=n, backend="gloo", activate=False) as cluster:
+        view = cluster._source.client[[r.engine_id for r in cluster.rank_map.ranks]]
+        for _ in range(10):  # warm both paths (function canning, sockets)
+            cluster.run(noop)
+            view.apply_sync(noop)
+        lab_s, raw_s = [], []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            cluster.run(noop)
+            t1 = time.perf_counter()
+            view.apply_sync(noop)
+            t2 = time.perf_counter()
+            lab_s.append(t1 - t0)
+            raw_s.append(t2 - t1)
+    return statistics.median(lab_s), statistics.median(raw_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--starts", type=int, default=2)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", lab.OversubscribedWarning)
+
+    lab_ms, raw_ms = (1e3 * x for x in latency(args.ranks, args.calls))
+    print(f"no-op on {args.ranks} ranks, median of {args.calls}: lab run {lab_ms:.2f} ms, "
+          f"raw DirectView.apply_sync {raw_ms:.2f} ms, ratio {lab_ms / raw_ms:.2f}x (goal <= 1.2x)")
+
+    lab_starts, raw_starts = [], []
+    for _ in range(args.starts):  # alternate so both see the same machine state
+        raw_starts.append(time_raw_start(args.ranks))
+        lab_starts.append(time_lab_start(args.ranks))
+    lab_s, raw_s = min(lab_starts), min(raw_starts)
+    print(f"start + process group, {args.ranks} ranks, best of {args.starts}: lab {lab_s:.2f} s, "
+          f"raw ipyparallel + init_process_group {raw_s:.2f} s, ratio {lab_s / raw_s:.2f}x (goal <= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()
