@@ -48,7 +48,7 @@ class Cluster:
         self._states: dict[int, tuple[str, str]] = {}
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
-            self._adopt_engines()
+            self._adopt_engines(warn=True)
             self._form_world()
         except BaseException:
             self.stop()
@@ -202,7 +202,7 @@ class Cluster:
                 + "".join(f"<th>{c}</th>" for c in cols) + f"</tr></thead><tbody>{body}</tbody></table>{note}</div>")
 
     # ------------------------------------------------------------------ internals
-    def _adopt_engines(self, engine_ids: Iterable[int] | None = None) -> None:
+    def _adopt_engines(self, engine_ids: Iterable[int] | None = None, *, warn: bool = False) -> None:
         """Ask the engines who they are and number the ranks (DESIGN.md §3)."""
         client = self._source.client
         controller_host = client._config.get("interface", "tcp://127.0.0.1").split("//")[-1]
@@ -215,14 +215,14 @@ class Cluster:
         # Only this machine's engines can be checked by PID; others rely on ipyparallel's heartbeat.
         here = socket.gethostname()
         self._local_pids = {r.pid for r in self._rank_map.ranks if r.host == here}
-        self._threads = self._pick_threads(infos)
+        self._threads = self._pick_threads(infos, warn)
         self._states = {}
 
-    def _pick_threads(self, infos: list[EngineInfo]) -> int:
+    def _pick_threads(self, infos: list[EngineInfo], warn: bool) -> int:
         per_host = self._rank_map.hosts()
         cores = min(i.cpu_count for i in infos)
         busiest = max(len(v) for v in per_host.values())
-        if busiest > cores:
+        if warn and busiest > cores:
             warnings.warn(f"{busiest} ranks share {cores} CPU cores on one host: ranks will time-share the "
                           "cores, so measured times include waiting; use 1 thread per rank and small models",
                           OversubscribedWarning, stacklevel=5)

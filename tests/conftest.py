@@ -22,3 +22,15 @@ def cluster():
         yield pool
     finally:
         pool.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_engine_outlives_the_tests():
+    """Fail the run if any ipyparallel process started under the tests is still alive at the end."""
+    import psutil
+
+    yield
+    me = psutil.Process()
+    leftovers = [p for p in me.children(recursive=True)
+                 if "ipyparallel" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"

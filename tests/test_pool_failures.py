@@ -130,3 +130,21 @@ def test_lab_refuses_to_signal_a_process_it_did_not_start():
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def wait_for_a_message_nobody_sends() -> None:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(1)
+    dist.recv(t, src=(dist.get_rank() + 1) % dist.get_world_size())
+
+
+def test_ranks_wedged_in_a_collective_are_replaced_so_the_pool_never_hangs(cluster):
+    old = [r.pid for r in cluster.rank_map.ranks]
+    start = time.monotonic()
+    with pytest.raises(lab.RankTimeoutError, match="did not finish"):
+        cluster.run(wait_for_a_message_nobody_sends, timeout=2)
+    assert time.monotonic() - start < 40
+    assert cluster.run(rank_sum) == [6.0] * 4
+    assert not alive(old)  # the wedged engines were killed and replaced
