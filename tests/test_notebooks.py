@@ -1,0 +1,34 @@
+"""The curriculum runs top to bottom, and notebooks in git carry no outputs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 90  # a whole notebook must finish in 90 s here; no single cell may take longer
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_in_git_has_no_outputs_or_execution_counts(path):
+    cells = json.loads(path.read_text())["cells"]
+    dirty = [i for i, c in enumerate(cells) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom_and_its_last_cell_checks_theory(path):
+    nb = nbformat.read(path, as_version=4)
+    last = [c for c in nb.cells if c.cell_type == "code"][-1]
+    assert "assert" in last.source, f"{path.name}: the last code cell must assert measured vs theory"
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for o in nb.cells[-1].get("outputs", []) if o.get("output_type") == "stream"]
+    assert outputs, f"{path.name}: the last cell printed nothing"
