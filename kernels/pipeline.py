@@ -1,0 +1,222 @@
+"""Pipeline parallelism: cut the GPT into stages and run a torch pipeline schedule.
+
+The algorithm is micro-batched pipeline parallelism. The model's blocks are split
+into ``num_stages`` contiguous stages, a batch is split into ``m`` micro-batches,
+and the ranks pass activations forward and their gradients backward (p2p
+send/recv) in the order a schedule prescribes:
+
+- GPipe (Huang et al., 2019, "GPipe: Efficient Training of Giant Neural Networks
+  using Pipeline Parallelism"): all forwards, then all backwards;
+- 1F1B (Narayanan et al., 2019, "PipeDream", and Megatron-LM): one forward, one
+  backward in the steady state, so at most p micro-batches are in flight;
+- interleaved 1F1B (Narayanan et al., 2021, "Efficient Large-Scale Language Model
+  Training on GPU Clusters Using Megatron-LM") and looped BFS (Lamy-Poirier, 2023,
+  "Breadth-First Pipeline Parallelism"): v stages per rank, placed in a loop;
+- interleaved zero bubble and ZBV (Qi et al., 2024, "Zero Bubble Pipeline
+  Parallelism"): the backward split into input-grad (I) and weight-grad (W);
+- DualPipeV (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report"): a V placement
+  that pairs forward and backward chunks.
+
+All of them come from ``torch.distributed.pipelining``; this module only decides
+the stage placement, cuts the model with ``kernels.model.keep_stage`` and scales
+the loss so the gradients equal the one-process reference.
+
+Run alone (two CPU ranks, checks the losses against one process)::
+
+    torchrun --nproc-per-node 2 -m kernels.pipeline [schedule]
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble)
+
+from kernels.data import SyntheticTokens
+from kernels.model import GPTConfig, build_gpt, keep_stage, loss_fn as gpt_loss_fn
+
+# gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
+SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI_STAGE = {
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SCHEDULES = ("zbv", "dualpipev")  # stages rank and 2p-1-rank (a "V") on each rank
+SCHEDULES = tuple(SINGLE_STAGE) + tuple(MULTI_STAGE)
+
+
+@dataclass
+class PipelineRuntime:
+    """One rank's part of a pipeline: its stages, their modules and the schedule."""
+
+    schedule_name: str
+    stage_ids: list[int]  # global stage indices this rank holds, in placement order
+    modules: list[nn.Module]  # the local stage modules (after model_transform)
+    stages: list[PipelineStage]
+    schedule: Any  # a torch PipelineScheduleSingle or PipelineScheduleMulti
+    num_stages: int
+    num_microbatches: int
+    device: torch.device
+    has_first: bool  # holds stage 0: feeds the token ids
+    has_last: bool  # holds the last stage: owns targets and losses
+
+
+def stage_ids_for_rank(schedule: str, pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """Global stage indices on ``pp_rank``: [r], looped [r, r+p, ...], or the V [r, 2p-1-r]."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} must be in 0..{pp_size - 1}")
+    if schedule in SINGLE_STAGE:
+        if stages_per_rank != 1:
+            raise ValueError(f"{schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}")
+        return [pp_rank]
+    if schedule in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {stages_per_rank}")
+        # Rank 0 holds the first and the last stage, so the V turns round on rank p-1.
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def check_schedule(schedule: str, pp_size: int, stages_per_rank: int, microbatches: int) -> None:
+    """Raise ValueError, in words, for the micro-batch rules torch 2.13 enforces (DESIGN §4b)."""
+    stage_ids_for_rank(schedule, 0, pp_size, stages_per_rank)  # name and placement rules
+    m, n = microbatches, pp_size * stages_per_rank
+    if m < 1:
+        raise ValueError(f"microbatches={m} must be positive")
+    if schedule in ("1f1b", "dualpipev") and m < n:
+        raise ValueError(f"{schedule} needs microbatches={m} >= number of stages={n}")
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, m // pp_size)
+        if m % rounds:
+            raise ValueError(f"{schedule} needs microbatches={m} to be a multiple of "
+                             f"max(1, m // pp)={rounds}")
+
+
+class MicrobatchMeanLoss:
+    """``loss_fn(out, y) / m``: summed over m micro-batches, the gradient is the full-batch mean's.
+
+    We scale the loss rather than use the schedule's ``scale_grads=True``, which
+    divides *every* ``.grad`` after the step and so would also shrink gradients
+    accumulated over earlier steps (gradient accumulation). torchtitan does the same.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], m: int) -> None:
+        self.loss_fn, self.m = loss_fn, m
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) / self.m  # scalar; output (b, T, V), target (b, T)
+
+
+def build_pipeline(model_cfg: GPTConfig | dict, schedule: str, pp_rank: int, pp_size: int,
+                   stages_per_rank: int, microbatches: int, pp_group: dist.ProcessGroup | None,
+                   device: torch.device | str, loss_fn: Callable, *,
+                   model_transform: Callable[[nn.Module], nn.Module | None] | None = None,
+                   ) -> PipelineRuntime:
+    """Build this rank's stages of the seeded GPT and the torch schedule that runs them.
+
+    ``model_transform(module)`` is applied to each stage module before it is wrapped
+    (the hook for TP/FSDP/DDP on a sub-mesh); it may change the module in place
+    (return None) or return a replacement.
+    """
+    cfg = GPTConfig(**model_cfg) if isinstance(model_cfg, dict) else model_cfg
+    check_schedule(schedule, pp_size, stages_per_rank, microbatches)
+    device = torch.device(device)
+    num_stages = pp_size * stages_per_rank
+    stage_ids = stage_ids_for_rank(schedule, pp_rank, pp_size, stages_per_rank)
+    full = build_gpt(cfg, device)  # every rank builds the same seeded weights, no broadcast needed
+    modules, stages = [], []
+    for sid in stage_ids:
+        # A deep copy per stage: keep_stage cuts in place, and each stage owns its tensors.
+        module = keep_stage(copy.deepcopy(full), sid, num_stages)
+        if model_transform is not None:
+            module = model_transform(module) or module
+        modules.append(module)
+        stages.append(PipelineStage(module, sid, num_stages, device, group=pp_group))
+    del full
+    scaled_loss = MicrobatchMeanLoss(loss_fn, microbatches)
+    if schedule in SINGLE_STAGE:
+        sched = SINGLE_STAGE[schedule](stages[0], n_microbatches=microbatches,
+                                       loss_fn=scaled_loss, scale_grads=False)
+    else:
+        sched = MULTI_STAGE[schedule](stages, n_microbatches=microbatches,
+                                      loss_fn=scaled_loss, scale_grads=False)
+    return PipelineRuntime(schedule, stage_ids, modules, stages, sched, num_stages, microbatches,
+                           device, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids)
+
+
+def pipeline_step(runtime: PipelineRuntime, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    """Run one forward+backward over ``inputs`` (B, T) split into m micro-batches.
+
+    Gradients accumulate in the stage modules (call the optimizer yourself). Returns
+    the mean micro-batch loss on the rank holding the last stage, None elsewhere.
+    Every rank of the pipeline must call this; only the first/last use inputs/targets.
+    """
+    args = (inputs.to(runtime.device),) if runtime.has_first else ()  # (B, T) token ids
+    losses: list[torch.Tensor] = []
+    kwargs: dict[str, Any] = {}
+    if runtime.has_last:
+        kwargs = {"target": targets.to(runtime.device), "losses": losses}  # target (B, T)
+    # return_outputs=False: we only need the losses, not the merged (B, T, V) logits.
+    runtime.schedule.step(*args, return_outputs=False, **kwargs)
+    if not runtime.has_last:
+        return None
+    # Each entry is loss_i / m, so their sum is the mean over micro-batches.
+    return float(torch.stack([loss.detach().float() for loss in losses]).sum())
+
+
+def _reference_losses(cfg: GPTConfig, batches: list, lr: float) -> list[float]:
+    """One process, whole batch: the losses the pipeline must reproduce."""
+    model = build_gpt(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    out = []
+    for x, y in batches:
+        loss = gpt_loss_fn(model(x), y)  # logits (B, T, V)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _self_test(schedule: str, steps: int = 3, lr: float = 1e-2) -> None:
+    """Train a tiny GPT for a few steps under torchrun and compare with one process."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spr = 1 if schedule in SINGLE_STAGE else 2
+    cfg = GPTConfig(layers=2 * world, d_model=32, heads=2, vocab=64, seq_len=16)
+    m = 2 * world * spr  # satisfies every schedule's micro-batch rule
+    data = SyntheticTokens(cfg.vocab, cfg.seq_len)
+    batches = [data.global_batch(s, 2 * m) for s in range(steps)]
+    rt = build_pipeline(cfg, schedule, rank, world, spr, m, None, "cpu", gpt_loss_fn)
+    opt = torch.optim.AdamW([p for mod in rt.modules for p in mod.parameters()], lr=lr)
+    losses = []
+    for x, y in batches:
+        losses.append(pipeline_step(rt, x, y))
+        opt.step()
+        opt.zero_grad()
+    if rt.has_last:
+        ref = _reference_losses(cfg, batches, lr)
+        ok = all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses, ref))
+        print(f"[rank {rank}] {schedule}: pipeline {losses}\n[rank {rank}] reference {ref}: "
+              f"{'OK' if ok else 'MISMATCH'}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _self_test(sys.argv[1] if len(sys.argv) > 1 else "1f1b")
