@@ -1,0 +1,66 @@
+"""Data parallelism: torch DDP over the dp axis of the mesh, with gradient accumulation.
+
+Algorithm: synchronous data parallelism with bucketed gradient all-reduce overlapped
+with backward (Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB). Every dp rank holds the whole model, runs forward and
+backward on its own shard of the global batch (``kernels.data.shard_batch``), and
+DDP's autograd hooks all-reduce each bucket of gradients as soon as it is ready:
+
+- forward: nothing is communicated (the first forward broadcasts rank 0's weights
+  once, at construction, so every replica starts equal);
+- backward: all_reduce(SUM) of each gradient bucket over the dp group, then a divide
+  by dp, so every rank ends with the gradient of the global-batch mean loss.
+
+Gradient accumulation runs the first n-1 micro-batches under ``no_sync()`` (the
+gradients only add up locally) and all-reduces once, on the last micro-batch.
+
+Run alone (DDP on 2 ranks, compared with one process)::
+
+    torchrun --nproc-per-node 2 -m kernels.train --dp 2
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kernels.mesh import ParallelDims, dp_group
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
+              bucket_cap_mb: float = 25.0) -> DDP:
+    """Wrap ``model`` in DDP over the mesh's dp axis (the model must hold plain tensors).
+
+    ``dims`` is checked: DDP over a tp or pp axis would average gradients that must
+    not be averaged, so tp and pp must be 1 here (TP layouts use FSDP on the dp axis).
+    """
+    if dims.tp != 1 or dims.pp != 1:
+        raise ValueError(f"apply_ddp replicates whole models: needs tp == pp == 1, got tp={dims.tp}, pp={dims.pp}")
+    device_ids = None  # CPU / gloo; on CUDA DDP infers the device from the parameters
+    return DDP(model, process_group=dp_group(mesh), device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+@contextlib.contextmanager
+def sync_gradients(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce for this backward when ``sync`` is False (accumulation).
+
+    DDP: ``no_sync()``. FSDP2 modules: ``set_requires_gradient_sync(False)`` keeps
+    unsharded gradients and reduce-scatters them on the last micro-batch.
+    Other models (TP only, ZeRO-1 without DDP) have nothing to skip.
+    """
+    if isinstance(model, DDP) and not sync:
+        with model.no_sync():
+            yield
+        return
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 root
+    if set_sync is not None:
+        set_sync(sync)
+    yield

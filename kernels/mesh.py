@@ -1,0 +1,173 @@
+"""The rank grid: ``ParallelDims`` and the (pp, dp, tp) DeviceMesh every layout uses.
+
+Algorithm: the 3D device mesh of Megatron-LM (Narayanan et al., 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") as torchtitan
+builds it: ranks ``arange(world).view(pp, dp, tp)``, so tp varies fastest and a
+tensor-parallel group is made of neighbouring ranks (one host, the fastest links).
+Rank r sits at ``pp = r // (dp*tp)``, ``dp = (r // tp) % dp``, ``tp = r % tp``.
+
+``ParallelDims`` is passed explicitly to every ``apply_*`` function (never read from
+a global) and checks ``dp * tp * pp == world_size`` with a readable error.
+"axis" here means a mesh axis ("pp", "dp", "tp"); "dim" means a tensor dimension.
+
+HSDP needs the dp axis split into (replicate, shard); ``build_hsdp_mesh`` builds that
+2D sub-mesh over the same rank order with the public ``DeviceMesh`` constructor.
+
+Run alone (prints each rank's coordinates and groups)::
+
+    torchrun --nproc-per-node 4 -m kernels.mesh
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("pp", "dp", "tp")  # outermost first: tp is fastest (neighbouring ranks)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1  # data-parallel degree: replicas (DDP) or shards (ZeRO/FSDP)
+    tp: int = 1  # tensor-parallel degree (Megatron column/row split)
+    pp: int = 1  # pipeline-parallel degree
+    world_size: int = 1  # must equal dp * tp * pp
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelDims.{name} must be a positive int, got {value!r}")
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ValueError(f"ParallelDims: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
+                             f"{self.dp * self.tp * self.pp} must equal the world size {self.world_size}")
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], world_size: int | None = None) -> "ParallelDims":
+        """From a plain config dict (missing sizes are 1); the world defaults to the process group's."""
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(dp=int(cfg.get("dp", 1)), tp=int(cfg.get("tp", 1)), pp=int(cfg.get("pp", 1)),
+                   world_size=int(world_size))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index on each mesh axis, from the (pp, dp, tp) row-major order."""
+        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+
+
+def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
+    """The (pp, dp, tp) mesh over all ranks; pass "cpu" explicitly on CPU (FSDP2 + gloo, DESIGN §4b)."""
+    return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
+
+
+def build_hsdp_mesh(dims: ParallelDims, replicate: int, device_type: str = "cpu") -> DeviceMesh:
+    """The 2D (dp_replicate, dp_shard) sub-mesh for HSDP, over the same rank order as ``build_mesh``.
+
+    dp index = replicate_index * shard + shard_index, so a shard group is made of
+    dp-neighbours. Every rank builds the whole 4D grid (new groups are collective).
+    """
+    if replicate < 1 or dims.dp % replicate:
+        raise ValueError(f"HSDP: replicate={replicate} must divide dp={dims.dp}")
+    shard = dims.dp // replicate
+    grid = torch.arange(dims.world_size).view(dims.pp, replicate, shard, dims.tp)
+    full = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    return full["dp_replicate", "dp_shard"]
+
+
+def default_replicate(dp: int) -> int:
+    """HSDP's replicate degree when none is given: the largest divisor <= sqrt(dp), at least 2 if possible."""
+    best = 1
+    for k in range(2, dp):
+        if dp % k == 0 and k * k <= dp:
+            best = k
+    return best
+
+
+# --- per-axis helpers (dp_/tp_/pp_ + rank|world_size|group) ---------------------------
+def dp_rank(mesh: DeviceMesh) -> int:
+    return mesh.get_local_rank("dp")
+
+
+def dp_world_size(mesh: DeviceMesh) -> int:
+    return mesh.size(MESH_AXES.index("dp"))
+
+
+def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh.get_group("dp")
+
+
+def tp_rank(mesh: DeviceMesh) -> int:
+    return mesh.get_local_rank("tp")
+
+
+def tp_world_size(mesh: DeviceMesh) -> int:
+    return mesh.size(MESH_AXES.index("tp"))
+
+
+def tp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh.get_group("tp")
+
+
+def pp_rank(mesh: DeviceMesh) -> int:
+    return mesh.get_local_rank("pp")
+
+
+def pp_world_size(mesh: DeviceMesh) -> int:
+    return mesh.size(MESH_AXES.index("pp"))
+
+
+def pp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh.get_group("pp")
+
+
+def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
+    """Destroy the sub-groups these meshes created; the default (world) group is kept.
+
+    A mesh axis that spans every rank may reuse the default group, so that one is
+    skipped. Returns how many groups were destroyed.
+
+    DTensor's sharding-propagation cache keys on meshes, and two meshes over the
+    same ranks compare equal whatever their groups: left alone, the next run's
+    DTensors would be given this run's (destroyed) mesh by a cache hit ("Could not
+    resolve the process group registered under the name N"). So the cache is
+    cleared first, while these groups are still alive (torch exposes the clearing
+    only as ``torch.distributed.tensor.debug._clear_sharding_prop_cache``).
+    """
+    _clear_dtensor_cache()
+    world = dist.group.WORLD
+    seen: set[int] = set()
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        for group in mesh.get_all_groups():
+            if group is world or id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+    return len(seen)
+
+
+def _clear_dtensor_cache() -> None:
+    from torch.distributed.tensor import debug
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
+
+
+def _main() -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    dims = ParallelDims(dp=max(1, world // 2), tp=2 if world % 2 == 0 else 1, world_size=world)
+    mesh = build_mesh(dims, "cpu")
+    r = dist.get_rank()
+    print(f"rank {r}: {dims.coords(r)}  dp group {dist.get_process_group_ranks(dp_group(mesh))}  "
+          f"tp group {dist.get_process_group_ranks(tp_group(mesh))}")
+    destroy_mesh_groups(mesh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()
