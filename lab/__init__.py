@@ -11,15 +11,20 @@ from lab._shadow_guard import check_own_packages
 check_own_packages()
 
 from lab.cluster import Cluster, OversubscribedWarning  # noqa: E402
+from kernels.model import GPTConfig  # noqa: E402
 from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError  # noqa: E402
+from lab.experiment import Experiment, LayoutWarning  # noqa: E402
 from lab.parallel import Parallel, ParallelConfigError  # noqa: E402
 from lab.planner import Plan, plan  # noqa: E402
 from lab.pool import connect, start  # noqa: E402
 from lab.recommend import recommend  # noqa: E402
+from lab.run_result import RunResult  # noqa: E402
+
+GPT = GPTConfig  # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
 
 __all__ = [
-    "Cluster", "DeadRankError", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
+    "Cluster", "DeadRankError", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
     "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "build_rank_map", "connect", "plan",
     "recommend", "start",
 ]

@@ -1,0 +1,76 @@
+"""An experiment checks its layout before launch, trains on the ranks, equals one process, and leaves nothing behind."""
+from __future__ import annotations
+
+import pytest
+
+import lab
+
+TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
+
+
+class RefusingCluster:
+    """Stands in for a pool: any attempt to launch work fails the test."""
+
+    world_size = 4
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("a bad layout reached the ranks")
+
+
+@pytest.mark.parametrize("parallel, rule", [
+    (lab.Parallel(dp=2, tp=1), "world-size"),
+    (lab.Parallel(tp=4, dp=1), None),  # heads=4 divides: valid, for contrast
+    (lab.Parallel(dp=1, tp=1, pp=4, microbatches=4), "pp-layers"),
+])
+def test_bad_layouts_are_refused_before_anything_launches(parallel, rule):
+    if rule is None:
+        lab.Experiment(RefusingCluster(), TINY, parallel, global_batch=8)
+        return
+    with pytest.raises(lab.ParallelConfigError, match=rule):
+        lab.Experiment(RefusingCluster(), TINY, parallel, global_batch=8)
+
+
+def test_wasteful_layouts_run_with_a_warning():
+    with pytest.warns(lab.LayoutWarning, match="wasteful"):
+        lab.Experiment(RefusingCluster(), TINY, lab.Parallel(dp=2, pp=2, zero=3, microbatches=2), global_batch=8)
+
+
+def test_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match="adamw"):
+        lab.Experiment(RefusingCluster(), TINY, lab.Parallel(dp=4), optimizer="lion")
+
+
+def process_groups_and_rss() -> tuple[int, int]:
+    import psutil
+    import torch.distributed.distributed_c10d as c10d
+
+    # pg_map is private, but it is the only registry of every group a rank holds.
+    return len(c10d._world.pg_map), psutil.Process().memory_info().rss
+
+
+def test_repeated_runs_on_a_warm_pool_leak_no_groups_or_memory(cluster):
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=2, tp=2, zero=3), global_batch=8, steps=2)
+    exp.run()
+    before = cluster.run(process_groups_and_rss)
+    for _ in range(3):
+        exp.run()
+    after = cluster.run(process_groups_and_rss)
+    assert [g for g, _ in after] == [g for g, _ in before] == [1] * 4  # only the default group remains
+    growth_mb = max(a[1] - b[1] for a, b in zip(after, before)) / 2**20
+    assert growth_mb < 30, f"a rank grew by {growth_mb:.1f} MB over 3 runs"
+
+
+def test_run_result_equals_the_reference_and_round_trips_through_json(cluster, tmp_path):
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(pp=2, dp=2, microbatches=2), global_batch=8, steps=3)
+    result, reference = exp.run(), exp.reference()
+    assert result.matches(reference, rtol=1e-4), result.loss_table(reference)
+    assert result.world_size == 4 and all(len(t) == 3 for t in result.step_times)
+    assert {tuple(r["stage_ids"]) for r in result.layout} == {(0,), (1,)}
+    again = lab.RunResult.from_json(result.to_json(tmp_path / "run.json"))
+    assert again == result
+
+
+def test_loss_falls_over_fifty_steps(cluster):
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=4), global_batch=8, steps=50, lr=1e-2)
+    losses = exp.run().losses
+    assert losses[-1] < 0.6 * losses[0], losses[::10]
