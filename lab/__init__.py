@@ -10,6 +10,7 @@ from lab._shadow_guard import check_own_packages
 
 check_own_packages()
 
+from lab.bench import bench_collectives  # noqa: E402
 from lab.cluster import Cluster, OversubscribedWarning  # noqa: E402
 from kernels.model import GPTConfig  # noqa: E402
 from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError  # noqa: E402
@@ -25,6 +26,6 @@ from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
 
 __all__ = [
     "Cluster", "DeadRankError", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
-    "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "build_rank_map", "connect", "plan",
+    "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "bench_collectives", "build_rank_map", "connect", "plan",
     "recommend", "start",
 ]

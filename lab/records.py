@@ -115,3 +115,110 @@ class RankFailure(Record):
     evalue: str
     traceback: str
     collateral: bool = False  # failed only because a peer left a collective
+
+
+@dataclass(frozen=True)
+class TraceEvent(Record):
+    """One timed action on one rank, in seconds since rank 0's epoch (aligned clocks).
+
+    kind: forward | backward | backward_weight (compute, counted as busy) | send | recv |
+    a collective name (all_reduce, ...) | optimizer.
+    """
+
+    rank: int
+    stage: int | None  # global pipeline stage index; None for rank-wide actions (optimizer)
+    kind: str
+    microbatch: int | None
+    start: float
+    end: float
+    action: str = ""  # compute only: torch's letter F, B (full backward), I (input-grad), W (weight-grad)
+    step: int = 0  # index of the traced step
+    peer: int | None = None  # p2p: the other global rank
+    nbytes: int = 0  # p2p and collectives: bytes this rank sent or received
+
+    @property
+    def duration(self) -> float:
+        """Seconds from start to end."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ClockSync(Record):
+    """One rank's clock offset to rank 0 (Cristian's algorithm, min-RTT ping-pong)."""
+
+    rank: int
+    offset: float  # local clock minus rank 0's clock, seconds
+    uncertainty: float  # half the minimum round trip: the offset is exact to within this
+    rtt: float
+    rounds: int
+    epoch: float  # rank 0's clock at the end of the sync; events count from here
+
+
+@dataclass(frozen=True)
+class BubbleReport(Record):
+    """Measured idle share of one pipeline step (DESIGN §3) beside the theory."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    stages_per_rank: int
+    ranks: tuple[int, ...]
+    idle: tuple[float, ...]  # per rank, same order as ranks: 1 - busy / makespan
+    busy: tuple[float, ...]  # per rank: summed F, B/I, W durations, seconds
+    makespan: float  # first compute start to last compute end over all ranks, seconds
+    mean: float  # mean of idle over ranks
+    theory: float | None  # (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved; None: no closed form here
+    theory_megatron: float | None  # bubble-to-ideal: (p-1)/m, or (p-1)/(v*m)
+    synthetic: bool = False  # fixed synthetic action costs (comparable with theory)
+    step: int = 0
+    clock_uncertainty: float = 0.0  # worst rank's alignment uncertainty, seconds
+
+
+@dataclass(frozen=True)
+class MemoryRecord(Record):
+    """One memory category of one rank at one moment, measured beside its predictions (DESIGN §3).
+
+    moment: "at_rest" (after optimizer.step, before zero_grad) | "peak_fwd_bwd" (forward
+    done, backward not started). category: params | grads | optimizer | activations |
+    cuda_max_allocated. Bytes throughout.
+    """
+
+    rank: int
+    moment: str
+    category: str
+    measured: int | None  # None: not measurable here (cuda_max_allocated on CPU)
+    predicted: float | None  # the exact rule: chunk/padding, ZeRO-1 greedy partition, step scalars
+    formula: float | None  # DESIGN §3's ZeRO reference for the dtypes held (fp32: 4Ψ, 4Ψ, K=8)
+    note: str = ""  # why predicted differs from formula (padding, partition, step scalars, TP)
+
+
+@dataclass(frozen=True)
+class CommRecord(Record):
+    """One collective type on one rank over one step, counted as nccl-tests counts it (DESIGN §3)."""
+
+    rank: int
+    op: str  # all_reduce | all_gather | reduce_scatter | broadcast | all_to_all | send | recv
+    group_size: int
+    count: int
+    payload_bytes: int  # the tensor each call works on (all_gather: whole output), summed
+    wire_bytes: float  # payload × busbw factor: what a ring sends from this rank
+    seconds: float  # summed time of the calls (each waited for at once)
+    algbw: float  # payload_bytes / seconds, bytes/s
+    busbw: float  # algbw × busbw factor, bytes/s
+    predicted_payload_bytes: float | None = None  # the analytic volume of DESIGN §3
+    source: str = ""  # "dist" (torch.distributed call) | "funcol" (DTensor functional collective)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BenchRecord(Record):
+    """One point of a collective bandwidth sweep (nccl-tests style), slowest rank's time."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | broadcast | send_recv
+    size_bytes: int  # payload per call (all_gather: the gathered output; reduce_scatter: the input)
+    world: int
+    iters: int
+    seconds: float  # mean seconds per call on the slowest rank
+    algbw: float  # size_bytes / seconds, bytes/s
+    busbw: float  # algbw × factor, bytes/s
+    factor: float  # nccl-tests: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, else 1

@@ -1,0 +1,214 @@
+"""Measured memory and communication beside their predictions (issue "Measured, not drawn").
+
+The ranks run ``kernels.measure.measure_rank`` and return plain dicts; this module
+turns each into ``MemoryRecord``s and ``CommRecord``s with two predictions beside
+every measured value:
+
+- ``formula``: DESIGN §3's ZeRO reference (``plan_math.zero_memory``) for the dtypes
+  held. In fp32 the parameters are the master copy: params 4Ψ, grads 4Ψ, AdamW
+  K = 8 (exp_avg + exp_avg_sq). ZeRO-2 holds whole parameters only from forward to
+  backward, so *at rest* its parameters take the sharded term 4Ψ/N. TP divides Ψ by
+  tp (norms and row-parallel biases are in fact replicated: a small excess).
+- ``predicted``: the exact rule the code follows, so a difference from the formula is
+  explained, never waved away:
+  * FSDP2 shards dim 0 like ``torch.chunk``: rank r holds rows
+    [r·c, min((r+1)·c, d)) with c = ceil(d/N) (possibly none); its storage is padded to
+    c rows, and the all-gather/reduce-scatter payload is the padded N·c rows;
+  * ZeroRedundancyOptimizer does not split tensors: it sorts whole parameters by size
+    (largest first) and gives each to the rank with the smallest total so far
+    (``zero1_partition``), so a rank holds near, not exactly, Ψ/N of the state
+    (3.5% over on rank 0 for the tiny GPT; the model-state total stays within 1%);
+  * AdamW keeps one fp32 ``step`` scalar per parameter tensor (4 bytes each), which
+    the formula leaves out (148 bytes for the tiny GPT's 37 tensors, <0.1%).
+
+Communication volume (DESIGN §3), as payload bytes per step: DDP all-reduce = the
+gradient bytes (DDP all-reduces flat buckets of all gradients); ZeRO-1 adds one
+broadcast of every parameter from its owner; FSDP all-gathers the padded parameters
+once in forward and again in backward under ZeRO-3, and reduce-scatters the padded
+gradients once; Megatron TP all-reduces b·s·h per block twice in forward and twice in
+backward (embedding and head collectives come on top). Wire bytes per rank = payload
+× the busbw factor, and busbw = algbw × the same factor.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from kernels.measure import measure_rank
+from lab.plan_math import busbw_factor, tp_allreduce_bytes, zero_memory
+from lab.records import CommRecord, MemoryRecord
+
+_DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.float16": 2}
+ADAM_K = 8  # fp32 AdamW: exp_avg + exp_avg_sq, 4 bytes each per element
+STEP_BYTES = 4  # AdamW's per-tensor fp32 step scalar
+
+
+def shard_rows(d: int, n: int, r: int) -> int:
+    """Rows of a dim-0 size ``d`` that rank ``r`` of ``n`` holds (torch.chunk rule, as FSDP2)."""
+    c = math.ceil(d / n)
+    return max(0, min(c, d - r * c))
+
+
+def padded_rows(d: int, n: int) -> int:
+    """Rows per rank FSDP2 stores and communicates: ceil(d/n) (so N·ceil(d/n) in all)."""
+    return math.ceil(d / n)
+
+
+def zero1_partition(numels: list[int], n: int) -> list[list[int]]:
+    """ZeroRedundancyOptimizer's partition: indices of whole parameters per rank.
+
+    Largest first (a stable sort, so ties keep the model's order), each to the first
+    rank with the smallest total so far.
+    """
+    owners: list[list[int]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for i in sorted(range(len(numels)), key=lambda j: numels[j], reverse=True):
+        r = sizes.index(min(sizes))
+        owners[r].append(i)
+        sizes[r] += numels[i]
+    return owners
+
+
+def _tp_local_shape(info: dict[str, Any], tp: int, tp_index: int) -> list[int]:
+    """The shape after TP: a Shard(k) placement on the tp axis splits dim k (chunk rule)."""
+    shape = list(info["global_shape"])
+    for axis, placement in zip(info["mesh_axes"], info["placements"]):
+        m = re.search(r"S(?:hard)?\((?:dim=)?(\d+)", placement)  # "S(0)", "Shard(dim=0)", "_S(0, 2)"
+        if axis == "tp" and m:
+            k = int(m.group(1))
+            shape[k] = shard_rows(shape[k], tp, tp_index)
+    return shape
+
+
+def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per parameter (model order): element bytes, whole numel after TP, and this rank's dp shard."""
+    dims, coords, fsdp = record["dims"], record["coords"], record["strategy"] == "fsdp"
+    out = []
+    for name, info in record["params"].items():
+        shape = _tp_local_shape(info, dims["tp"], coords["tp"])
+        rest = math.prod(shape[1:]) if shape else 1
+        d0 = shape[0] if shape else 1
+        whole = d0 * rest
+        local = shard_rows(d0, dims["dp"], coords["dp"]) * rest if fsdp else whole
+        padded = padded_rows(d0, dims["dp"]) * rest if fsdp else whole
+        out.append({"name": name, "elem": _DTYPE_BYTES.get(info["dtype"], 4), "whole": whole,
+                    "local": local, "padded": padded})
+    return out
+
+
+def _stage(record: dict[str, Any]) -> int:
+    return {"zero1": 1, "fsdp": int(record["zero"])}.get(record["strategy"], 0)
+
+
+def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The exact rule per moment and category (bytes), from the layout alone."""
+    table, stage, dp = param_table(record), _stage(record), record["dims"]["dp"]
+    rest_params = sum(p["local"] * p["elem"] for p in table)
+    whole_params = sum(p["whole"] * p["elem"] for p in table)
+    if stage == 1:
+        mine = zero1_partition([p["whole"] for p in table], dp)[record["coords"]["dp"]]
+        owned = [table[i] for i in mine]
+    else:
+        owned = table
+    opt = sum(p["local"] * ADAM_K + STEP_BYTES for p in owned)
+    peak_params = whole_params if stage == 2 else rest_params
+    return {"at_rest": {"params": rest_params, "grads": rest_params, "optimizer": opt},
+            "peak_fwd_bwd": {"params": peak_params, "grads": rest_params, "optimizer": opt}}
+
+
+def formula_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """DESIGN §3's ZeRO reference in fp32 (4, 4, K=8), Ψ = all parameters / tp, N = dp."""
+    dims, stage = record["dims"], _stage(record)
+    psi = sum(math.prod(i["global_shape"]) for i in record["params"].values()) / dims["tp"]
+    peak = zero_memory(psi, dims["dp"], stage, 4, 4, ADAM_K)
+    rest = zero_memory(psi, dims["dp"], 3 if stage == 2 else stage, 4, 4, ADAM_K)  # ZeRO-2 reshards after backward
+    rest = (rest[0], peak[1], peak[2])
+    keys = ("params", "grads", "optimizer")
+    return {"at_rest": dict(zip(keys, rest)), "peak_fwd_bwd": dict(zip(keys, peak))}
+
+
+def _memory_note(record: dict[str, Any], category: str) -> str:
+    notes = []
+    if category == "optimizer":
+        notes.append("includes AdamW's 4-byte step scalar per tensor (not in the formula)")
+        if record["strategy"] == "zero1":
+            notes.append("ZeroRedundancyOptimizer partitions whole tensors greedily (not exactly Ψ/N)")
+    if record["strategy"] == "fsdp" and category in ("params", "grads"):
+        notes.append("FSDP2 dim-0 chunk rule: ceil(d/N) rows per rank, the last ranks fewer")
+    if record["dims"]["tp"] > 1:
+        notes.append("TP: norms and row-parallel biases replicated; sharded embeddings get whole grads")
+    return "; ".join(notes)
+
+
+def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
+    """One rank's measured memory, category by category, with ``predicted`` and ``formula`` beside."""
+    pred, form, rows = predicted_memory(record), formula_memory(record), []
+    for moment, snap in record["memory"].items():
+        for category in ("params", "grads", "optimizer"):
+            rows.append(MemoryRecord(rank=record["rank"], moment=moment, category=category,
+                                     measured=snap[category], predicted=pred[moment][category],
+                                     formula=form[moment][category], note=_memory_note(record, category)))
+        if snap.get("activations") is not None:
+            rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="activations",
+                                     measured=snap["activations"], predicted=None, formula=None,
+                                     note="unique storages saved for backward, parameters left out"))
+        rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_max_allocated",
+                                 measured=snap.get("cuda_max_allocated"), predicted=None, formula=None,
+                                 note="torch.cuda.max_memory_allocated; None on CPU"))
+    return rows
+
+
+def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
+    """Analytic payload bytes per step by op (DESIGN §3 "Communication volume") for this rank.
+
+    Keys are op names for the dp axis, and "tp_all_reduce" for Megatron's tp-axis all-reduces.
+    """
+    table, stage = param_table(record), _stage(record)
+    grads = sum(p["whole"] * p["elem"] for p in table)
+    out: dict[str, float] = {}
+    if record["strategy"] in ("ddp", "zero1"):
+        out["all_reduce"] = grads  # flat buckets of every gradient
+    if stage == 1:
+        out["broadcast"] = grads  # every parameter, from its owner, after the step
+    if record["strategy"] == "fsdp":
+        padded = sum(p["padded"] * p["elem"] for p in table) * record["dims"]["dp"]
+        out["all_gather"] = padded * (2 if stage == 3 else 1)  # forward, and backward under ZeRO-3
+        out["reduce_scatter"] = padded
+    tp = record["dims"]["tp"]
+    if tp > 1:
+        model = cfg.get("model", {})
+        b = int(cfg.get("global_batch", 8)) // record["dims"]["dp"]
+        per = tp_allreduce_bytes(b, model.get("seq_len", 32), model.get("d_model", 64), 4)
+        out["tp_all_reduce"] = 4 * model.get("layers", 4) * per  # 2 fwd + 2 bwd per block
+    return out
+
+
+def _predicted(pred: dict[str, float], row: dict[str, Any], record: dict[str, Any]) -> float | None:
+    """The analytic volume for a row: dp-axis ops are "dist" rows, TP's are "funcol" rows."""
+    tp_row = row["source"] == "funcol"
+    if tp_row and row["op"] == "all_reduce" and record["dims"]["tp"] > 1:
+        return pred.get("tp_all_reduce")
+    return None if tp_row else pred.get(row["op"])
+
+
+def comm_records(record: dict[str, Any], cfg: dict[str, Any]) -> list[CommRecord]:
+    """One rank's per-step collectives with wire bytes, algbw, busbw and the analytic volume."""
+    pred, out = predicted_comm(record, cfg), []
+    for row in record["comm"]:
+        f = busbw_factor(row["op"], row["group_size"]) if row["op"] != "all_to_all" else 1.0
+        algbw = row["payload_bytes"] / row["seconds"] if row["seconds"] > 0 else 0.0
+        out.append(CommRecord(rank=record["rank"], op=row["op"], group_size=row["group_size"],
+                              count=row["count"], payload_bytes=row["payload_bytes"],
+                              wire_bytes=row["payload_bytes"] * f, seconds=row["seconds"], algbw=algbw,
+                              busbw=algbw * f, predicted_payload_bytes=_predicted(pred, row, record),
+                              source=row["source"]))
+    return out
+
+
+def measure_layout(cluster: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run ``measure_rank(cfg)`` on every rank; memory and comm records of all ranks, and the raw rank dicts."""
+    raw = cluster.run(measure_rank, cfg)
+    memory = [r for rec in raw for r in memory_records(rec)]
+    comm = [r for rec in raw for r in comm_records(rec, cfg)]
+    return {"memory": memory, "comm": comm, "ranks": raw}
