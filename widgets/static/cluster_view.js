@@ -1,0 +1,50 @@
+// ClusterView: one `.cl-rank` card per rank (data-state), grouped in `.cl-host` boxes.
+// Reads `ranks` and `summary`; redraws on change (update() on the Python side).
+
+function h(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function card(r) {
+  const c = h("div", "cl-rank");
+  c.dataset.rank = r.rank;
+  c.dataset.state = r.state;
+  c.title = r.detail || r.state;
+  c.appendChild(h("div", "cl-rank-id", `rank ${r.rank}`));
+  c.appendChild(h("div", "cl-rank-state", r.state));
+  c.appendChild(h("div", "cl-rank-device", `${r.device} · ${r.backend}`));
+  c.appendChild(h("div", "cl-rank-pid", `pid ${r.pid} · ${r.threads} threads`));
+  if (r.detail) c.appendChild(h("div", "cl-rank-detail", r.detail));
+  return c;
+}
+
+function render({ model, el }) {
+  const root = h("div", "cl-cluster");
+  el.appendChild(root);
+  function draw() {
+    root.replaceChildren();
+    root.appendChild(h("div", "cl-cluster-summary", model.get("summary")));
+    const hosts = new Map();
+    for (const r of model.get("ranks")) {
+      if (!hosts.has(r.host)) hosts.set(r.host, []);
+      hosts.get(r.host).push(r);
+    }
+    for (const [host, ranks] of hosts) {
+      const box = h("div", "cl-host");
+      box.dataset.host = host;
+      box.appendChild(h("div", "cl-host-name", host));
+      const grid = h("div", "cl-rank-grid");
+      ranks.forEach((r) => grid.appendChild(card(r)));
+      box.appendChild(grid);
+      root.appendChild(box);
+    }
+  }
+  model.on("change:ranks", draw);
+  model.on("change:summary", draw);
+  draw();
+}
+
+export default { render };

@@ -1,0 +1,168 @@
+// ShardingView: one `.cl-shard-row` per rank, three layers (params / grads / optim),
+// each tensor a `.cl-tensor` box holding a `.cl-shard` (the slice held; `.cl-shard-none`
+// when nothing is held). Elements are kept between redraws, so a new layout or an
+// FSDP phase moves the slices with CSS transitions.
+// Reads tensors, rows, phases, phase, strategy, zero, sizes, interval_ms; writes phase.
+
+const LAYERS = [["params", "parameters"], ["grads", "gradients"], ["optim", "optimizer state"]];
+
+function h(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// Mirrors widgets/sharding_view.py::_layer_extents.
+function layerExtents(row, layer, phase) {
+  if (layer === "optim") return row.optim;
+  if (!phase) return row.params;
+  if (layer === "params") {
+    const whole = new Set(phase.whole);
+    return row.params.map((e, i) => (whole.has(i) && e ? row.gathered[i] : e));
+  }
+  const gw = new Set(phase.grads_whole), gs = new Set(phase.grads_shard);
+  return row.params.map((e, i) => (gw.has(i) && e ? row.gathered[i] : gs.has(i) ? e : null));
+}
+
+function rowLabel(r) {
+  const c = Object.entries(r.coords).map(([k, v]) => `${k}${v}`).join(" ");
+  const stages = r.stages.length ? ` · stages ${r.stages.join(",")}` : "";
+  return `rank ${r.rank} · ${c}${stages} · blocks ${r.blocks.join(",") || "-"}`;
+}
+
+function render({ model, el }) {
+  const root = h("div", "cl-sharding");
+  el.appendChild(root);
+  const head = h("div", "cl-sharding-title");
+  const controls = h("div", "cl-phase-controls");
+  const steps = h("div", "cl-phase-steps");
+  const grid = h("div", "cl-shard-grid");
+  root.append(head, controls, steps, grid);
+  let structure = "";
+  let slices = new Map(); // "rank|layer|tensor index" -> .cl-shard element
+  let timer = null;
+  const stop = () => { if (timer) clearInterval(timer); timer = null; };
+  const setPhase = (k) => { model.set("phase", k); model.save_changes(); };
+
+  function build(tensors, rows) {
+    grid.replaceChildren();
+    slices = new Map();
+    const units = h("div", "cl-units");
+    units.appendChild(h("div", "cl-shard-label", ""));
+    const cols = h("div", "cl-tensors");
+    tensors.forEach((t, i) => {
+      const u = h("div", "cl-unit", i === 0 || tensors[i - 1].unit !== t.unit ? t.unit : "");
+      u.title = t.name;
+      cols.appendChild(u);
+    });
+    units.appendChild(cols);
+    grid.appendChild(units);
+    rows.forEach((r) => {
+      const row = h("div", "cl-shard-row");
+      row.dataset.rank = r.rank;
+      row.appendChild(h("div", "cl-shard-label", rowLabel(r)));
+      LAYERS.forEach(([layer, name]) => {
+        const line = h("div", "cl-shard-layer");
+        line.dataset.layer = layer;
+        line.appendChild(h("div", "cl-layer-name", name));
+        const boxes = h("div", "cl-tensors");
+        tensors.forEach((t, i) => {
+          const box = h("div", "cl-tensor");
+          box.dataset.tensor = t.name;
+          box.dataset.unit = t.unit;
+          const s = h("div", "cl-shard-none");
+          s.dataset.tensor = t.name;
+          s.dataset.layer = layer;
+          box.appendChild(s);
+          boxes.appendChild(box);
+          slices.set(`${r.rank}|${layer}|${i}`, s);
+        });
+        line.appendChild(boxes);
+        row.appendChild(line);
+      });
+      grid.appendChild(row);
+    });
+  }
+
+  function place(s, t, ext, gathered) {
+    const n0 = t.shape[0] || 1, n1 = t.shape.length > 1 ? t.shape[1] : 1;
+    s.className = ext ? "cl-shard" + (gathered ? " cl-gathered" : "") : "cl-shard-none";
+    const [a, b, c, d] = ext || [0, 0, 0, n1];
+    // dim 0 runs across, dim 1 runs down; a slice of nothing collapses to zero width
+    s.style.left = `${(100 * a) / n0}%`;
+    s.style.width = `${(100 * (b - a)) / n0}%`;
+    s.style.top = `${(100 * c) / n1}%`;
+    s.style.height = `${(100 * (d - c)) / n1}%`;
+    s.dataset.start = a;
+    s.dataset.stop = b;
+    const where = ext ? `dim0 ${a}:${b}` + (t.shape.length > 1 ? `, dim1 ${c}:${d}` : "") : "not held";
+    s.parentElement.title = `${t.name} [${t.shape.join(", ")}] ${t.placements.join(",")}` +
+      `${t.mesh_axes.length ? " on " + t.mesh_axes.join(",") : ""}: ${where}`;
+  }
+
+  function drawControls(phases, k) {
+    controls.replaceChildren();
+    steps.replaceChildren();
+    if (!phases.length) return;
+    const last = phases.length - 1;
+    const buttons = [["cl-phase-reset", "at rest", () => setPhase(-1)],
+      ["cl-phase-back", "◀", () => setPhase(Math.max(-1, k - 1))],
+      ["cl-phase-play", timer ? "⏸" : "▶ FSDP step", toggle],
+      ["cl-phase-next", "▶|", () => setPhase(Math.min(last, k + 1))]];
+    buttons.forEach(([cls, text, fn]) => {
+      const b = h("button", cls, text);
+      b.onclick = fn;
+      controls.appendChild(b);
+    });
+    const label = k >= 0 ? `${k + 1}/${phases.length}: ${phases[k].label}` : "layout at rest";
+    const span = h("span", "cl-phase-label", label);
+    if (k >= 0) span.dataset.op = phases[k].op;
+    controls.appendChild(span);
+    phases.forEach((p, i) => {
+      const s = h("div", "cl-phase-step" + (i === k ? " cl-current" : ""), p.op || "·");
+      s.dataset.op = p.op;
+      s.title = p.label;
+      s.onclick = () => { stop(); setPhase(i); };
+      steps.appendChild(s);
+    });
+  }
+
+  function toggle() {
+    if (timer) { stop(); draw(); return; }
+    timer = setInterval(() => {
+      const k = model.get("phase"), n = model.get("phases").length;
+      if (k >= n - 1) { stop(); draw(); return; }
+      setPhase(k + 1);
+    }, model.get("interval_ms"));
+    draw();
+  }
+
+  function draw() {
+    const tensors = model.get("tensors") || [], rows = model.get("rows") || [], phases = model.get("phases") || [];
+    const k = Math.min(model.get("phase"), phases.length - 1);
+    const sizes = Object.entries(model.get("sizes") || {}).map(([a, n]) => `${a}=${n}`).join(" ");
+    head.textContent = `${model.get("strategy") || "no layout"} · zero ${model.get("zero")} · ${sizes}`;
+    const key = JSON.stringify([tensors.map((t) => t.name), rows.map((r) => r.rank)]);
+    const fresh = key !== structure;
+    if (fresh) { build(tensors, rows); structure = key; }
+    grid.querySelectorAll(".cl-shard-row").forEach((el, i) => {
+      el.querySelector(".cl-shard-label").textContent = rowLabel(rows[i]);
+    });
+    const phase = k >= 0 ? phases[k] : null;
+    const apply = () => rows.forEach((r) => LAYERS.forEach(([layer]) => {
+      const exts = layerExtents(r, layer, phase);
+      const gathered = phase ? new Set(layer === "params" ? phase.whole : phase.grads_whole) : new Set();
+      tensors.forEach((t, i) => place(slices.get(`${r.rank}|${layer}|${i}`), t, exts[i], gathered.has(i) && exts[i]));
+    }));
+    if (fresh) requestAnimationFrame(() => requestAnimationFrame(apply)); // grow in from nothing
+    else apply();
+    drawControls(phases, k);
+  }
+
+  ["tensors", "rows", "phases", "phase", "strategy", "sizes"].forEach((name) => model.on(`change:${name}`, draw));
+  draw();
+  return () => stop();
+}
+
+export default { render };
