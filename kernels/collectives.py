@@ -5,7 +5,8 @@ returns a plain record ``{op, rank, input, output}``. The driver checks each out
 against the value computed from all ranks' inputs (``lab.demo``), so nothing here
 trusts torch's answer.
 
-- all_reduce: every rank ends with the element-wise sum of all inputs.
+- all_reduce: every rank ends with the element-wise sum of all inputs (one element per rank,
+  so a ring all-reduce's chunks are visible).
 - all_gather: every rank ends with all inputs, concatenated in rank order.
 - reduce_scatter: rank r ends with the sum over ranks of chunk r of their inputs.
 - broadcast: every rank ends with rank 0's input.
@@ -26,7 +27,7 @@ import torch.distributed as dist
 def collective_inputs(op: str, rank: int, world: int) -> list[float]:
     """The input a rank contributes to ``op``: a pure function of (op, rank, world)."""
     if op == "all_reduce":
-        return [rank + 1.0, 10.0 * (rank + 1)]
+        return [(rank + 1.0) * (chunk + 1) for chunk in range(world)]  # one chunk per rank, as a ring splits it
     if op == "reduce_scatter":
         return [100.0 * rank + chunk for chunk in range(world)]  # one element per destination rank
     if op == "broadcast":
@@ -48,7 +49,7 @@ def run_collectives() -> list[dict[str, Any]]:
 
 
 def _all_reduce(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    dist.all_reduce(x)  # in place: (2,) on every rank
+    dist.all_reduce(x)  # in place: (world,) on every rank
     return x
 
 
