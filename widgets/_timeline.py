@@ -1,0 +1,128 @@
+"""Pure transforms behind PipelineTimeline: trace events to columns, the planned overlay, plan checks.
+
+Kept apart from the widget so each can be tested directly (see widgets/pipeline_timeline.py
+for the record shapes).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
+KINDS = {"F": "forward", "B": "backward", "I": "backward", "W": "backward_weight"}
+COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
+COLUMNS = ("rank", "stage", "kind", "mb", "start", "end", "peer", "nbytes")
+
+
+def _plain(x: Any) -> dict[str, Any]:
+    return x.to_dict() if hasattr(x, "to_dict") else dict(x)
+
+
+def _event_dicts(events: Any) -> list[dict[str, Any]]:
+    """Event dicts from event dicts/records, or from rank records holding ``"events"`` (list or {rank: ...})."""
+    out: list[dict[str, Any]] = []
+    for item in (events.values() if isinstance(events, dict) else events):
+        d = _plain(item)
+        out.extend(_plain(e) for e in d["events"]) if "events" in d else out.append(d)
+    return out
+
+
+def _columns(events: Any, step: int | None = None) -> dict[str, Any]:
+    """One step's events as columns in start order, ms from the step's first event (µs precision)."""
+    evs = _event_dicts(events)
+    steps = sorted({e.get("step", 0) for e in evs})
+    chosen = step if step is not None else (steps[-1] if steps else 0)
+    evs = sorted((e for e in evs if e.get("step", 0) == chosen), key=lambda e: (e["start"], e["rank"]))
+    t0 = min((e["start"] for e in evs), default=0.0)
+    cols: dict[str, Any] = {k: [] for k in COLUMNS}
+    for e in evs:
+        kind = (e.get("action") or LETTERS[e["kind"]]) if e["kind"] in LETTERS else e["kind"]
+        for key, value in zip(COLUMNS, (e["rank"], e.get("stage"), kind, e.get("microbatch"),
+                                        round((e["start"] - t0) * 1e3, 3), round((e["end"] - t0) * 1e3, 3),
+                                        e.get("peer"), e.get("nbytes", 0))):
+            cols[key].append(value)
+    return {"step": chosen, "t0_ms": t0 * 1e3, **cols}
+
+
+def _rows(cols: dict[str, Any]) -> list[dict[str, Any]]:
+    """Inverse of ``_columns``: TraceEvent-shaped dicts, seconds since rank 0's epoch again."""
+    out = []
+    for rank, stage, kind, mb, start, end, peer, nbytes in zip(*(cols[k] for k in COLUMNS)):
+        out.append({"rank": rank, "stage": stage, "kind": KINDS.get(kind, kind), "microbatch": mb,
+                    "start": (start + cols["t0_ms"]) / 1e3, "end": (end + cols["t0_ms"]) / 1e3,
+                    "action": kind if kind in KINDS else "", "step": cols["step"], "peer": peer, "nbytes": nbytes})
+    return out
+
+
+def _mean_ms(cols: dict[str, Any]) -> dict[str, float]:
+    """Measured mean duration per compute letter, ms (unrounded: the planned layout adds many of them)."""
+    spans: dict[str, list[float]] = {}
+    for kind, start, end in zip(cols["kind"], cols["start"], cols["end"]):
+        if kind in KINDS:
+            spans.setdefault(kind, []).append(end - start)
+    return {k: sum(v) / len(v) for k, v in spans.items()}
+
+
+def _ready(stage: int, letter: str, mb: int, done: dict, last: int) -> float | None:
+    """When an action's input exists (as ``lab.timeline.simulate``), None if its producer is not placed."""
+    if letter == "F":
+        return 0.0 if stage == 0 else done.get((stage - 1, "F", mb))
+    if letter in ("B", "I"):
+        return done.get((stage, "F", mb)) if stage == last else done.get((stage + 1, "G", mb))
+    return done.get((stage, "G", mb))
+
+
+def _planned_layout(planned: dict | None, mean: dict[str, float], origin: float = 0.0) -> dict[str, list]:
+    """The planned order per rank laid out from ``origin`` with the measured mean duration per letter.
+
+    A plan that would wait forever under these data dependencies still gets drawn: its
+    stuck rank with the earliest free time places its next action as soon as it is free.
+    """
+    orders = {int(r): [tuple(a) for a in acts] for r, acts in (planned or {}).items() if acts}
+    cols: dict[str, list] = {k: [] for k in ("rank", "stage", "kind", "mb", "start", "end")}
+    fallback = sum(mean.values()) / len(mean) if mean else 1.0
+    last = max((a[0] for o in orders.values() for a in o), default=0)
+    pos, free, done = dict.fromkeys(orders, 0), dict.fromkeys(orders, 0.0), {}
+
+    def place(r: int, ready: float) -> None:
+        stage, letter, mb = orders[r][pos[r]]
+        start = max(free[r], ready)
+        free[r] = done[(stage, "G" if letter in ("B", "I") else letter, mb)] = start + mean.get(letter, fallback)
+        for key, value in zip(cols, (r, stage, letter, mb, round(origin + start, 3), round(origin + free[r], 3))):
+            cols[key].append(value)
+        pos[r] += 1
+
+    while any(pos[r] < len(o) for r, o in orders.items()):
+        moved = False
+        for r, order in orders.items():
+            while pos[r] < len(order) and (ready := _ready(*order[pos[r]], done, last)) is not None:
+                place(r, ready)
+                moved = True
+        if not moved:
+            place(min((r for r in orders if pos[r] < len(orders[r])), key=lambda r: free[r]), 0.0)
+    return cols
+
+
+def _plan_match(cols: dict[str, Any], planned: dict | None) -> dict[str, bool]:
+    """Per rank (str key): does the measured compute order equal the planned one?"""
+    out = {}
+    for r, acts in (planned or {}).items():
+        ran = [[s, k, m] for rank, s, k, m in zip(cols["rank"], cols["stage"], cols["kind"], cols["mb"])
+               if rank == int(r) and k in KINDS]
+        out[str(r)] = ran == [list(a) for a in acts]
+    return out
+
+
+def _timeline_state(events: Any, bubble: Any = None, planned: dict | None = None,
+                    step: int | None = None) -> dict[str, Any]:
+    """Everything PipelineTimeline syncs, JSON-only: ranks, events (columns), planned, mean_ms, span_ms, bubble."""
+    report = json.loads(json.dumps(_plain(bubble))) if bubble is not None else {}
+    cols = _columns(events, report.get("step") if step is None else step)
+    mean = _mean_ms(cols)
+    origin = min((s for s, k in zip(cols["start"], cols["kind"]) if k in KINDS), default=0.0)
+    plan = _planned_layout(planned, mean, origin)
+    ranks = sorted(set(cols["rank"]) | set(plan["rank"]) | set(report.get("ranks", [])))
+    return {"ranks": ranks, "events": cols, "planned": plan, "plan_match": _plan_match(cols, planned),
+            "mean_ms": {k: round(v, 3) for k, v in mean.items()},
+            "span_ms": max(cols["end"] + plan["end"], default=0.0), "bubble": report}

@@ -1,0 +1,123 @@
+"""MemoryView: what each rank holds, by category, measured beside predicted (DESIGN §3 "Memory categories").
+
+Input: ``lab.records.MemoryRecord.to_dict()`` dicts ``{rank, moment, category, measured,
+predicted, formula, note}`` in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
+``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_max_allocated`` (any other
+category counts as ``other``). On GPU, ``other`` also takes what
+``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
+
+One ``.cl-mem-rank`` per rank: a measured bar of ``.cl-mem-seg[data-category]`` segments
+beside a ``.cl-mem-predicted`` bar (the exact rule; activations have no prediction) and a
+``.cl-mem-formula`` tick at DESIGN §3's ZeRO reference. ``moment`` picks the moment.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import anywidget
+import traitlets
+
+_STATIC = pathlib.Path(__file__).parent / "static"
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations",
+          "other": "other"}
+COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759", "other": "#bab0ac"}
+MOMENTS = ("at_rest", "peak_fwd_bwd")
+
+
+def _plain(x: Any) -> dict[str, Any]:
+    return x.to_dict() if hasattr(x, "to_dict") else dict(x)
+
+
+def _add(into: dict[str, Any], key: str, value: float | None) -> None:
+    if value is not None:
+        into[key] = (into.get(key) or 0) + value
+
+
+def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank at one moment: bytes per category (measured, predicted, formula), totals and notes."""
+    measured: dict[str, Any] = dict.fromkeys(CATEGORIES, 0)
+    predicted: dict[str, Any] = {}
+    formula: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    cuda = None
+    for r in rows:
+        if r["category"] == "cuda_max_allocated":
+            cuda = r.get("measured")
+            continue
+        cat = r["category"] if r["category"] in CATEGORIES else "other"
+        _add(measured, cat, r.get("measured"))
+        _add(predicted, cat, r.get("predicted"))
+        _add(formula, cat, r.get("formula"))
+        if r.get("note"):
+            notes[cat] = "; ".join(filter(None, [notes.get(cat), r["note"]]))
+    if cuda is not None:
+        beyond = max(0, cuda - sum(measured.values()))
+        measured["other"] += beyond
+        notes["other"] = "; ".join(filter(None, [notes.get("other"), f"{beyond} B more in cuda max allocated"]))
+    return {"rank": rank, "measured": measured, "predicted": predicted, "formula": formula, "notes": notes,
+            "total": sum(measured.values()), "predicted_total": sum(predicted.values()) if predicted else None,
+            "formula_total": sum(formula.values()) if formula else None, "cuda_max_allocated": cuda}
+
+
+def _memory_state(records: Any) -> dict[str, Any]:
+    """{ranks, moments, categories, bars: {moment: [bar per rank]}, scale}: what MemoryView draws, JSON-only."""
+    rows = [_plain(r) for r in records]
+    found = {r["moment"] for r in rows}
+    moments = [m for m in MOMENTS if m in found] + sorted(found - set(MOMENTS))
+    ranks = sorted({r["rank"] for r in rows})
+    bars = {m: [_bar(k, [r for r in rows if r["rank"] == k and r["moment"] == m]) for k in ranks] for m in moments}
+    scale = max([v for bs in bars.values() for b in bs
+                 for v in (b["total"], b["predicted_total"], b["formula_total"]) if v] or [1])
+    return {"ranks": ranks, "moments": moments, "categories": list(CATEGORIES), "bars": bars, "scale": scale}
+
+
+class MemoryView(anywidget.AnyWidget):
+    """Stacked bars per rank for one moment (``.cl-mem-moment`` buttons switch), measured beside predicted."""
+
+    _esm = _STATIC / "memory_view.js"
+
+    ranks = traitlets.List().tag(sync=True)
+    moments = traitlets.List().tag(sync=True)  # present in the records, at_rest first
+    categories = traitlets.List().tag(sync=True)  # stacking order, bottom up
+    bars = traitlets.Dict().tag(sync=True)  # moment -> [_bar(...) per rank]
+    scale = traitlets.Float(1.0).tag(sync=True)  # bytes at full bar height, the same for every moment
+    moment = traitlets.Unicode("at_rest").tag(sync=True)
+
+    def __init__(self, records: Any = None, moment: str = "at_rest", **kwargs: Any) -> None:
+        state = _memory_state(records or [])
+        if state["moments"] and moment not in state["moments"]:
+            raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
+        super().__init__(**state, moment=moment, **kwargs)
+
+
+def plot_memory(records: Any, moment: str = "at_rest"):
+    """Static fallback: per rank a measured stacked bar (gid ``measured:<category>``) beside the predicted
+    one (hatched, gid ``predicted:<category>``, only categories with a prediction); MiB on y."""
+    from matplotlib.figure import Figure
+
+    state = _memory_state(records)
+    if moment not in state["bars"]:
+        raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
+    bars, mib = state["bars"][moment], 2.0 ** 20
+    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 2), 3.2))
+    ax = fig.add_subplot()
+    for i, b in enumerate(bars):
+        low = high = 0.0
+        for cat in CATEGORIES:
+            ax.bar(i - 0.2, b["measured"][cat] / mib, 0.38, bottom=low, color=COLORS[cat], gid=f"measured:{cat}",
+                   label=LABELS[cat] if i == 0 else None)
+            low += b["measured"][cat] / mib
+            if cat in b["predicted"]:
+                ax.bar(i + 0.2, b["predicted"][cat] / mib, 0.38, bottom=high, color=COLORS[cat], alpha=0.45,
+                       hatch="//", edgecolor="black", linewidth=0.4, gid=f"predicted:{cat}")
+                high += b["predicted"][cat] / mib
+        if b["formula_total"]:
+            ax.hlines(b["formula_total"] / mib, i + 0.01, i + 0.39, colors="black", linestyles="dashed",
+                      gid="formula")
+    ax.set_xticks(range(len(bars)), [f"rank {b['rank']}\nmeasured | predicted" for b in bars], fontsize=7)
+    ax.set_ylabel("MiB")
+    ax.set_title(f"memory per rank at {moment} (dashed: ZeRO formula)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    return fig

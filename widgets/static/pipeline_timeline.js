@@ -1,0 +1,256 @@
+// PipelineTimeline: one `.cl-lane` per rank (data-rank) holding `.cl-box` compute actions (data-kind F|B|I|W,
+// data-mb, data-stage) and `.cl-comm` markers (send, recv, collectives, optimizer); a `.cl-axis` in ms;
+// replay in event order with `.cl-play` and `.cl-scrub`; the bubble in `.cl-bubble`; the planned order as
+// `.cl-planned-box` rows shown by `.cl-planned-toggle`. Reads every trait; writes `cursor_ms` and
+// `show_planned`. The DOM is built once per state change (one DocumentFragment); the time that took,
+// layout included, is written to `.cl-timeline[data-render-ms]`.
+
+const LABEL = { F: "forward", B: "backward (full)", I: "backward, input grad", W: "backward, weight grad" };
+
+function h(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+const pct = (v, span) => `${(100 * v) / span}%`;
+const f3 = (v) => (v === null || v === undefined ? "n/a" : Number(v).toFixed(3));
+const ms = (v) => `${Number(v).toFixed(3)} ms`;
+
+function tickStep(span) {
+  const raw = span / 8;
+  const p = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * p).find((s) => s >= raw);
+}
+
+function axis(span) {
+  const row = h("div", "cl-axis-row");
+  const ax = h("div", "cl-axis");
+  const step = tickStep(span);
+  for (let k = 0; k * step <= span * (1 + 1e-9); k++) {
+    const tick = h("span", "cl-tick", String(+(k * step).toPrecision(6)));
+    tick.dataset.ms = k * step;
+    tick.style.left = pct(k * step, span);
+    ax.appendChild(tick);
+  }
+  ax.appendChild(h("span", "cl-axis-unit", "ms"));
+  row.appendChild(ax);
+  return row;
+}
+
+function tip(c, i) {
+  const k = c.kind[i];
+  const when = `${ms(c.start[i])} → ${ms(c.end[i])} (${ms(c.end[i] - c.start[i])})`;
+  if (LABEL[k]) return `${k}: ${LABEL[k]}\nrank ${c.rank[i]} · stage ${c.stage[i]} · micro-batch ${c.mb[i]}\n${when}`;
+  const peer = c.peer[i] === null ? "" : ` ${k === "send" ? "to" : "from"} rank ${c.peer[i]}`;
+  const what = c.stage[i] === null ? "" : ` · stage ${c.stage[i]} · micro-batch ${c.mb[i]}`;
+  const bytes = c.nbytes[i] ? ` · ${c.nbytes[i]} bytes` : "";
+  return `${k}${peer}\nrank ${c.rank[i]}${what}${bytes}\n${when}`;
+}
+
+function bubbleBox(b) {
+  const box = h("div", "cl-bubble");
+  if (!b || b.mean === undefined) {
+    box.textContent = "no bubble report given";
+    return box;
+  }
+  const v = b.stages_per_rank || 1;
+  const vm = v > 1 ? "v·m" : "m";
+  const head = h("div", "cl-bubble-head");
+  const theory = b.theory === null || b.theory === undefined
+    ? [" · theory: ", h("b", "cl-bubble-theory", "n/a"), " (no closed form for this schedule; compare with 1F1B)"]
+    : [` · theory (p-1)/(${vm}+p-1) `, h("b", "cl-bubble-theory", f3(b.theory)),
+      ` · Megatron (p-1)/${vm === "m" ? "m" : "(v·m)"} `, h("b", "cl-bubble-megatron", f3(b.theory_megatron))];
+  head.append(`${b.schedule} · p=${b.pp} · m=${b.microbatches}${v > 1 ? ` · v=${v}` : ""} · step ${b.step}: `,
+    "measured bubble (mean) ", h("b", "cl-bubble-mean", f3(b.mean)), ...theory, " · ",
+    h("span", "cl-bubble-mode", b.synthetic ? "synthetic costs (comparable with theory)"
+      : "real compute (per-action overhead included; theory holds only for equal synthetic costs)"));
+  const per = h("div", "cl-bubble-ranks", "idle per rank: ");
+  (b.ranks || []).forEach((r, i) => {
+    const s = h("span", "cl-bubble-rank", `r${r} ${f3(b.idle[i])}`);
+    s.dataset.rank = r;
+    per.append(s, " ");
+  });
+  const us = (b.clock_uncertainty || 0) * 1e6;
+  per.append(` · makespan ${ms(b.makespan * 1e3)} · clock alignment ±${us.toFixed(1)} µs`);
+  box.append(head, per);
+  return box;
+}
+
+function controls(model, kinds, hasPlan) {
+  const bar = h("div", "cl-tl-controls");
+  const play = h("button", "cl-play", "▶ play");
+  const scrub = h("input", "cl-scrub");
+  Object.assign(scrub, { type: "range", min: 0, max: model.get("span_ms") || 1, step: "any" });
+  const time = h("span", "cl-time");
+  const toggle = h("button", "cl-planned-toggle", "planned order");
+  toggle.disabled = !hasPlan;
+  toggle.title = hasPlan ? "overlay the planned order, laid out with the measured mean durations"
+    : "no planned order given";
+  const legend = h("div", "cl-legend");
+  for (const k of kinds) {
+    const item = h("span", "cl-legend-item");
+    const sw = h("span", "cl-swatch");
+    sw.dataset.kind = LABEL[k] ? k : "comm";
+    item.append(sw, LABEL[k] ? `${k} ${LABEL[k]}` : "communication");
+    legend.appendChild(item);
+  }
+  bar.append(play, scrub, time, toggle);
+  return { bar, legend, play, scrub, time, toggle };
+}
+
+function laneRows(ranks, bubble, match) {
+  const idle = {};
+  (bubble.ranks || []).forEach((r, i) => { idle[r] = bubble.idle[i]; });
+  const lanes = h("div", "cl-lanes");
+  const tracks = {};
+  const plans = {};
+  for (const r of ranks) {
+    const lane = h("div", "cl-lane");
+    lane.dataset.rank = r;
+    const label = h("div", "cl-lane-label", `rank ${r}`);
+    if (idle[r] !== undefined) label.appendChild(h("span", "cl-lane-idle", `idle ${f3(idle[r])}`));
+    if (match[r] === false) label.appendChild(h("span", "cl-plan-differs", "order ≠ plan"));
+    const body = h("div", "cl-lane-body");
+    tracks[r] = body.appendChild(h("div", "cl-track"));
+    plans[r] = body.appendChild(h("div", "cl-planned-row"));
+    lane.append(label, body);
+    lanes.appendChild(lane);
+  }
+  return { lanes, tracks, plans };
+}
+
+function eventBoxes(c, tracks, span) { // returns [element, start, end, state] in event (start) order
+  const items = [];
+  for (let i = 0; i < c.rank.length; i++) {
+    const k = c.kind[i];
+    const e = h("div", LABEL[k] ? "cl-box" : "cl-comm", LABEL[k] ? String(c.mb[i]) : undefined);
+    e.dataset.kind = k;
+    if (c.mb[i] !== null) e.dataset.mb = c.mb[i];
+    if (c.stage[i] !== null) e.dataset.stage = c.stage[i];
+    e.style.cssText = `left:${pct(c.start[i], span)};width:${pct(c.end[i] - c.start[i], span)}`;
+    e.title = tip(c, i);
+    tracks[c.rank[i]].appendChild(e);
+    items.push([e, c.start[i], c.end[i], 2]);
+  }
+  return items;
+}
+
+function plannedBoxes(p, plans, span) {
+  for (let i = 0; i < p.rank.length; i++) {
+    const e = h("div", "cl-planned-box");
+    Object.assign(e.dataset, { kind: p.kind[i], mb: p.mb[i], stage: p.stage[i] });
+    e.style.cssText = `left:${pct(p.start[i], span)};width:${pct(p.end[i] - p.start[i], span)}`;
+    e.title = `planned: ${p.kind[i]} stage ${p.stage[i]} micro-batch ${p.mb[i]}\n`
+      + `${ms(p.start[i])} → ${ms(p.end[i])} (laid out with the measured mean duration of ${p.kind[i]})`;
+    plans[p.rank[i]].appendChild(e);
+  }
+}
+
+function render({ model, el }) {
+  const root = h("div", "cl-timeline");
+  el.appendChild(root);
+  let items = []; // [element, start, end, state] in event (start) order
+  let ui = null;
+  let cursor = null;
+  let raf = null;
+  let queued = false;
+  let pending = null; // draws the planned boxes
+
+  function showAt(t) {
+    const span = model.get("span_ms") || 1;
+    const all = t < 0 || t >= span;
+    for (const it of items) { // [element, start, end, shown state]: touch only what changes
+      const [e, s, end, was] = it;
+      const now = all || t >= end ? 2 : s <= t ? 1 : 0; // 2 done, 1 running, 0 not started
+      if (now === was && now !== 1) continue;
+      if (now !== was) {
+        e.classList.toggle("cl-future", now === 0);
+        e.classList.toggle("cl-running", now === 1);
+      }
+      e.style.width = pct((now === 1 ? t : end) - s, span);
+      it[3] = now;
+    }
+    cursor.style.display = all ? "none" : "block";
+    cursor.style.left = `calc(var(--cl-label) + (100% - var(--cl-label)) * ${Math.max(0, t) / span})`;
+    ui.scrub.value = all ? span : t;
+    ui.time.textContent = all ? `whole step: ${ms(span)}` : `${ms(t)} / ${ms(span)}`;
+  }
+
+  function stop(save) {
+    if (raf !== null) cancelAnimationFrame(raf);
+    raf = null;
+    if (ui) ui.play.textContent = "▶ play";
+    if (save) { model.set("cursor_ms", Number(save.t)); model.save_changes(); }
+  }
+
+  function play() {
+    if (raf !== null) { stop({ t: Number(ui.scrub.value) }); return; }
+    const span = model.get("span_ms") || 1;
+    const rate = span / (1000 * (model.get("play_seconds") || 6));
+    let t = model.get("cursor_ms");
+    if (t < 0 || t >= span) t = 0;
+    let last = performance.now();
+    ui.play.textContent = "⏸ pause";
+    const tick = (now) => {
+      t += (now - last) * rate;
+      last = now;
+      if (t >= span) { stop({ t: -1 }); showAt(-1); return; }
+      showAt(t);
+      raf = requestAnimationFrame(tick);
+    };
+    raf = requestAnimationFrame(tick);
+  }
+
+  function applyPlanned() {
+    const on = model.get("show_planned");
+    if (on && pending) { pending(); pending = null; }
+    root.classList.toggle("cl-show-planned", on);
+    ui.toggle.setAttribute("aria-pressed", String(on));
+  }
+
+  function build() {
+    queued = false;
+    const t0 = performance.now();
+    stop();
+    const c = model.get("events");
+    const p = model.get("planned");
+    const span = model.get("span_ms") || 1;
+    const bubble = model.get("bubble") || {};
+    const kinds = [...new Set(c.kind)].sort((a, b) => (LABEL[a] ? 0 : 1) - (LABEL[b] ? 0 : 1) || (a < b ? -1 : 1));
+    const comm = kinds.filter((k) => !LABEL[k]);
+    ui = controls(model, kinds.filter((k) => LABEL[k]).concat(comm.length ? [comm[0]] : []), p.rank.length > 0);
+    ui.play.onclick = play;
+    ui.scrub.oninput = () => { stop(); showAt(Number(ui.scrub.value)); };
+    ui.scrub.onchange = () => { model.set("cursor_ms", Number(ui.scrub.value)); model.save_changes(); };
+    ui.toggle.onclick = () => { model.set("show_planned", !model.get("show_planned")); model.save_changes(); };
+    const frag = document.createDocumentFragment();
+    frag.append(ui.bar, ui.legend, bubbleBox(bubble));
+    const { lanes, tracks, plans } = laneRows(model.get("ranks"), bubble, model.get("plan_match") || {});
+    items = eventBoxes(c, tracks, span);
+    pending = () => plannedBoxes(p, plans, span); // drawn on first show: the render stays one pass
+    cursor = lanes.appendChild(h("div", "cl-cursor"));
+    frag.append(lanes, axis(span));
+    root.replaceChildren(frag);
+    applyPlanned();
+    showAt(model.get("cursor_ms"));
+    void root.offsetHeight; // force layout so the number includes it
+    root.dataset.renderMs = (performance.now() - t0).toFixed(1);
+    root.dataset.boxes = c.kind.filter((k) => LABEL[k]).length;
+  }
+
+  function rebuild() {
+    if (!queued) { queued = true; queueMicrotask(build); }
+  }
+
+  for (const name of ["events", "planned", "ranks", "span_ms", "bubble", "plan_match"]) {
+    model.on(`change:${name}`, rebuild);
+  }
+  model.on("change:cursor_ms", () => { if (raf === null && !queued) showAt(model.get("cursor_ms")); });
+  model.on("change:show_planned", applyPlanned);
+  build();
+  return () => stop();
+}
+
+export default { render };
