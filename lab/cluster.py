@@ -15,7 +15,7 @@ import socket
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from kernels import runtime
 from lab import launch
@@ -23,6 +23,9 @@ from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, Ran
 from lab.rank_map import build_rank_map
 from lab.records import EngineInfo, RankMap, RankStatus
 from lab.supervise import Outcome, describe_failures, wait_ranks
+
+if TYPE_CHECKING:
+    from widgets import ClusterView
 
 GRACE_S = 3.0  # how long peers get to fail on their own once one rank has failed
 
@@ -46,6 +49,7 @@ class Cluster:
         self._stopped = False
         self._dead: set[int] = set()
         self._states: dict[int, tuple[str, str]] = {}
+        self._watchers: list[Callable[[list[RankStatus]], None]] = []
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
@@ -81,9 +85,27 @@ class Cluster:
         return set(self._source.pids)
 
     def status(self) -> list[RankStatus]:
-        """One row per rank: where it runs and what state it is in."""
+        """One row per rank: where it runs, what state it is in, and its resident memory."""
         return [RankStatus(r.rank, r.host, r.pid, r.device, r.backend, self._threads,
-                           *self._states.get(r.rank, ("idle", ""))) for r in self._rank_map.ranks]
+                           *self._states.get(r.rank, ("idle", "")), rss_bytes=self._rss(r.pid))
+                for r in self._rank_map.ranks]
+
+    def view(self) -> "ClusterView":
+        """A live ClusterView of the ranks: it follows every call (busy, failed, dead, memory)."""
+        from widgets import ClusterView
+
+        view = ClusterView(self.status())
+        self._watchers.append(view.update)
+        return view
+
+    def _rss(self, pid: int) -> int | None:
+        return launch.resident_bytes(pid) if pid in self._local_pids else None
+
+    def _notify(self) -> None:
+        if self._watchers:
+            rows = self.status()
+            for update in self._watchers:
+                update(rows)
 
     # ---------------------------------------------------------------- running code
     def run(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
@@ -103,16 +125,23 @@ class Cluster:
         pending = dict(zip(targets, submitted.split()))
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
+        self._notify()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            out = wait_ranks(pending, self._is_dead, deadline=deadline)
+            out = wait_ranks(pending, self._is_dead, deadline=deadline,
+                             on_slice=self._notify if self._watchers else None)
         except KeyboardInterrupt:
             self._recover(Outcome(pending=dict(pending)), interrupt=True)
+            self._notify()
             raise
         if not out.clean:
-            self._raise_after_recovery(out, timed_out=out.deadline_hit)
+            try:
+                self._raise_after_recovery(out, timed_out=out.deadline_hit)
+            finally:
+                self._notify()
         for r in targets:
             self._states[r] = ("idle", "")
+        self._notify()
         if ranks is None:
             return [out.results[r] for r in range(self.world_size)]
         return {r: out.results[r] for r in targets}

@@ -100,6 +100,14 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def resident_bytes(pid: int) -> int | None:
+    """Resident memory of a process, or None if it is gone."""
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.NoSuchProcess:
+        return None
+
+
 def signal_pids(pids: set[int], owned: set[int], sig: int) -> None:
     """Send ``sig`` to each pid, refusing any the lab did not start."""
     foreign = pids - owned

@@ -103,6 +103,7 @@ class RankStatus(Record):
     threads: int
     state: str = "idle"  # idle | busy | failed | dead
     detail: str = ""  # last error, or what the rank is doing
+    rss_bytes: int | None = None  # resident memory of the engine process; None where it cannot be read
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,11 @@ class Outcome:
 
 def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], *,
                deadline: float | None = None, stop_on_failure: bool = True,
-               outcome: Outcome | None = None) -> Outcome:
+               outcome: Outcome | None = None, on_slice: Callable[[], None] | None = None) -> Outcome:
     """Wait until every rank is done, one fails or dies (if ``stop_on_failure``), or the deadline.
 
     ``deadline`` is a ``time.monotonic()`` value. Ranks still running on return stay
-    in ``outcome.pending``.
+    in ``outcome.pending``. ``on_slice`` is called after each wait slice while ranks run.
     """
     out = outcome or Outcome()
     out.pending.update(pending)
@@ -67,6 +67,8 @@ def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], 
             out.pending.pop(rank, None)
         if stop_on_failure and (out.errors or out.dead):
             break
+        if on_slice is not None and out.pending:
+            on_slice()  # e.g. a live view's refresh while ranks are still busy
         if deadline is not None and time.monotonic() >= deadline:
             out.deadline_hit = bool(out.pending)
             break

@@ -92,3 +92,26 @@ def test_controller_is_on_loopback_signed_and_its_files_are_private(cluster):
     assert stat.S_IMODE(profile.stat().st_mode) & 0o077 == 0
     files = list((profile / "security").glob("*.json"))
     assert files and all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)
+
+
+def test_cluster_view_follows_a_call_live_and_marks_a_failed_rank_red(cluster):
+    view = cluster.view()
+    seen = []
+    view.observe(lambda change: seen.append([r["state"] for r in change["new"]]), names="ranks")
+
+    def slow_then_fail():
+        import time
+
+        import torch.distributed as dist
+        time.sleep(1.0)
+        if dist.get_rank() == 3:
+            raise RuntimeError("rank 3 fails on purpose")
+
+    with pytest.raises(lab.RankError):
+        cluster.run(slow_then_fail, timeout=10)
+    assert ["busy"] * 4 in seen  # shown busy while the call ran
+    final = {r["rank"]: r for r in view.ranks}
+    assert final[3]["state"] == "failed" and "rank 3 fails" in final[3]["detail"]
+    assert all(final[r]["rss_bytes"] > 10 * 2**20 for r in range(4))  # real resident memory of each engine
+    cluster.run(rank_sum, 0.0)
+    assert [r["state"] for r in view.ranks] == ["idle"] * 4

@@ -1,7 +1,7 @@
 """ClusterView: the ranks as a live grid, one card per rank, grouped by host.
 
 Input: ``lab.records.RankStatus.to_dict()`` dicts, ``{rank, host, pid, device, backend,
-threads, state, detail}`` with state one of idle | busy | failed | dead (failed and
+threads, state, detail, rss_bytes}`` with state one of idle | busy | failed | dead (failed and
 dead are drawn red). ``update(ranks)`` replaces the trait, so the view redraws live.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import traitlets
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 STATES = ("idle", "busy", "failed", "dead")
-_FIELDS = {"rank": 0, "host": "", "pid": 0, "device": "", "backend": "", "threads": 0, "state": "idle", "detail": ""}
+_FIELDS = {"rank": 0, "host": "", "pid": 0, "device": "", "backend": "", "threads": 0, "state": "idle", "detail": "",
+           "rss_bytes": None}
 _COLORS = {"idle": "#9e9e9e", "busy": "#2f6fd0", "failed": "#c62828", "dead": "#7f0000"}
 
 

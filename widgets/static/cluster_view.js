@@ -17,6 +17,8 @@ function card(r) {
   c.appendChild(h("div", "cl-rank-state", r.state));
   c.appendChild(h("div", "cl-rank-device", `${r.device} · ${r.backend}`));
   c.appendChild(h("div", "cl-rank-pid", `pid ${r.pid} · ${r.threads} threads`));
+  if (r.rss_bytes !== null && r.rss_bytes !== undefined)
+    c.appendChild(h("div", "cl-rank-memory", `${(r.rss_bytes / 2 ** 20).toFixed(0)} MiB resident`));
   if (r.detail) c.appendChild(h("div", "cl-rank-detail", r.detail));
   return c;
 }
