@@ -12,6 +12,7 @@ check_own_packages()
 
 from lab.bench import bench_collectives  # noqa: E402
 from lab.cluster import Cluster, OversubscribedWarning  # noqa: E402
+from lab.controls import Controls  # noqa: E402
 from kernels.model import GPTConfig  # noqa: E402
 from lab.dry_run import DryRunReport, dry_run  # noqa: E402
 from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError  # noqa: E402
@@ -26,7 +27,7 @@ GPT = GPTConfig  # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
 from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
 
 __all__ = [
-    "Cluster", "DeadRankError", "DryRunReport", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
+    "Cluster", "Controls", "DeadRankError", "DryRunReport", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
     "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "bench_collectives", "build_rank_map", "connect", "dry_run", "plan",
     "recommend", "start",
 ]
