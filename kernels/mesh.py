@@ -50,6 +50,9 @@ class ParallelDims:
         """From a plain config dict (missing sizes are 1); the world defaults to the process group's."""
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
+        elif dist.is_initialized() and int(world_size) > dist.get_world_size():
+            raise ValueError(f"ParallelDims: world_size={world_size} is more than the "
+                             f"{dist.get_world_size()} ranks of the process group")
         return cls(dp=int(cfg.get("dp", 1)), tp=int(cfg.get("tp", 1)), pp=int(cfg.get("pp", 1)),
                    world_size=int(world_size))
 
@@ -59,7 +62,11 @@ class ParallelDims:
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
-    """The (pp, dp, tp) mesh over all ranks; pass "cpu" explicitly on CPU (FSDP2 + gloo, DESIGN §4b)."""
+    """The (pp, dp, tp) mesh over ranks 0..dims.world_size-1; pass "cpu" explicitly on CPU (FSDP2 + gloo, DESIGN §4b).
+
+    Every rank of the process group must call it (group creation is collective); a
+    rank beyond ``dims.world_size`` gets a mesh with ``get_coordinate() is None``.
+    """
     return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
 
 
@@ -127,7 +134,10 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     """Destroy the sub-groups these meshes created; the default (world) group is kept.
 
     A mesh axis that spans every rank may reuse the default group, so that one is
-    skipped. Returns how many groups were destroyed.
+    skipped. Groups are taken from each mesh's *root*: a sub-mesh (``mesh["dp"]``,
+    ``build_hsdp_mesh``'s 2D slice of a 4D grid) only names its own axes, but the
+    root created groups for every axis (and for any flattened axes, which torch
+    2.13 files in the root's ``_pg_registry``). Returns how many were destroyed.
 
     DTensor's sharding-propagation cache keys on meshes, and two meshes over the
     same ranks compare equal whatever their groups: left alone, the next run's
@@ -138,16 +148,27 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     """
     _clear_dtensor_cache()
     world = dist.group.WORLD
-    seen: set[int] = set()
+    seen: dict[int, dist.ProcessGroup] = {}
     for mesh in meshes:
-        if mesh is None:
+        if mesh is None or mesh.get_coordinate() is None:  # not a member: it created no groups here
             continue
-        for group in mesh.get_all_groups():
-            if group is world or id(group) in seen:
-                continue
-            seen.add(id(group))
-            dist.destroy_process_group(group)
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        for group in [*root.get_all_groups(), *getattr(root, "_pg_registry", {}).values()]:
+            if group is not None and group is not world:
+                seen.setdefault(id(group), group)
+    for group in seen.values():
+        dist.destroy_process_group(group)
     return len(seen)
+
+
+def live_group_count() -> int:
+    """Process groups this rank holds, the default one included: 1 between runs means nothing leaked.
+
+    torch has no public registry of groups; ``distributed_c10d._world.pg_map`` is the
+    private one that ``destroy_process_group`` removes from.
+    """
+    from torch.distributed import distributed_c10d as c10d
+    return len(c10d._world.pg_map) if dist.is_initialized() else 0
 
 
 def _clear_dtensor_cache() -> None:

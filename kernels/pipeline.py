@@ -24,11 +24,12 @@ the loss so the gradients equal the one-process reference.
 Run alone (two CPU ranks, checks the losses against one process)::
 
     torchrun --nproc-per-node 2 -m kernels.pipeline [schedule]
+
+``kernels.train.train_rank`` composes it with DP, FSDP and TP on a (pp, dp, tp) mesh.
 """
 from __future__ import annotations
 
 import copy
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -42,8 +43,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
     ScheduleZBVZeroBubble)
 
-from kernels.data import SyntheticTokens
-from kernels.model import GPTConfig, build_gpt, keep_stage, loss_fn as gpt_loss_fn
+from kernels.model import GPTConfig, build_gpt, keep_stage
 
 # gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
 SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -179,44 +179,24 @@ def pipeline_step(runtime: PipelineRuntime, inputs: torch.Tensor, targets: torch
     return float(torch.stack([loss.detach().float() for loss in losses]).sum())
 
 
-def _reference_losses(cfg: GPTConfig, batches: list, lr: float) -> list[float]:
-    """One process, whole batch: the losses the pipeline must reproduce."""
-    model = build_gpt(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out = []
-    for x, y in batches:
-        loss = gpt_loss_fn(model(x), y)  # logits (B, T, V)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+def share_loss(loss: float | None, pp_group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """This replica's loss on every rank of its pipeline, as a float64 scalar tensor.
 
-
-def _self_test(schedule: str, steps: int = 3, lr: float = 1e-2) -> None:
-    """Train a tiny GPT for a few steps under torchrun and compare with one process."""
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    spr = 1 if schedule in SINGLE_STAGE else 2
-    cfg = GPTConfig(layers=2 * world, d_model=32, heads=2, vocab=64, seq_len=16)
-    m = 2 * world * spr  # satisfies every schedule's micro-batch rule
-    data = SyntheticTokens(cfg.vocab, cfg.seq_len)
-    batches = [data.global_batch(s, 2 * m) for s in range(steps)]
-    rt = build_pipeline(cfg, schedule, rank, world, spr, m, None, "cpu", gpt_loss_fn)
-    opt = torch.optim.AdamW([p for mod in rt.modules for p in mod.parameters()], lr=lr)
-    losses = []
-    for x, y in batches:
-        losses.append(pipeline_step(rt, x, y))
-        opt.step()
-        opt.zero_grad()
-    if rt.has_last:
-        ref = _reference_losses(cfg, batches, lr)
-        ok = all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses, ref))
-        print(f"[rank {rank}] {schedule}: pipeline {losses}\n[rank {rank}] reference {ref}: "
-              f"{'OK' if ok else 'MISMATCH'}", flush=True)
-    dist.destroy_process_group()
+    Exactly one rank of a pp group holds the last stage (``pipeline_step`` returns its
+    loss, None elsewhere), so all_reduce(SUM) over the pp group acts as a broadcast
+    from it without knowing its global rank (pp rank p-1, or 0 for the V schedules).
+    """
+    value = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64, device=device)
+    dist.all_reduce(value, group=pp_group)
+    return value
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    _self_test(sys.argv[1] if len(sys.argv) > 1 else "1f1b")
+    # The same stages through kernels.train.train_rank, compared with one process there.
+    from kernels.train import main
+
+    world = int(os.environ.get("WORLD_SIZE", "2"))
+    schedule = sys.argv[1] if len(sys.argv) > 1 else "1f1b"
+    m = 2 * world * (1 if schedule in SINGLE_STAGE else 2)  # satisfies every schedule's micro-batch rule
+    main(["--pp", str(world), "--schedule", schedule, "--layers", str(2 * world), "--heads", "2",
+          "--microbatches", str(m), "--global-batch", str(2 * m)])

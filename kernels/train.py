@@ -17,11 +17,21 @@ Every rank builds the same global batch and keeps its dp shard (``shard_batch``)
 tp ranks of one dp index see the same samples. The reported loss of a step is the
 global-batch mean: the local mean all_reduced (SUM) over the dp group, over dp.
 
+With pp > 1 the same TP -> AC -> FSDP order is applied to each pipeline stage
+(``kernels.train_pipeline``), and the loss is sent from the last stage's rank.
+
 Config keys (all optional but the model): model {layers, d_model, heads, vocab,
 seq_len, d_ff}; dp, tp, pp, zero, fsdp_strategy, hsdp_replicate, sequence_parallel,
 loss_parallel, activation_checkpointing, mixed_precision, cpu_offload,
-microbatches; global_batch, steps, lr, weight_decay, betas, eps, seed;
-return_params, record_grad_norm (both default True).
+microbatches, schedule, virtual_stages (pp only); global_batch, steps, lr,
+weight_decay, betas, eps, seed; return_params, record_grad_norm (both default
+True); world_size (default: every rank) trains on the first world_size ranks only,
+the others join the mesh's group creation and return an idle record.
+
+Records: losses and grad_norms (global, the same on every rank), step_times (this
+rank's), layout (coords, strategy, per-parameter global/local shapes and
+placements; with pp also stage_ids and stage_layers) and params (this rank's
+parameters gathered whole, by name: every parameter, or with pp its stages').
 
 Run alone (prints the losses beside the one-process reference)::
 
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -44,7 +55,7 @@ from kernels.data import microbatches, shard_batch
 from kernels.data_parallel import apply_ddp, sync_gradients, unwrap
 from kernels.fsdp import apply_fsdp, describe_params, full_parameters
 from kernels.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, default_replicate, destroy_mesh_groups,
-                          dp_group, dp_rank, dp_world_size, pp_group, pp_rank)
+                          dp_group, dp_rank, dp_world_size)
 from kernels.model import build_gpt, loss_fn
 from kernels.reference import adamw_kwargs, dataset, model_config, run_settings, train_reference
 from kernels.tensor_parallel import apply_tp, loss_context
@@ -66,17 +77,24 @@ def apply_ac(model: nn.Module, dims: ParallelDims | None = None) -> nn.Module:
 
 
 def layout_plan(cfg: dict[str, Any], dims: ParallelDims) -> dict[str, Any]:
-    """Resolve the config to one strategy ("single", "tp", "ddp", "zero1", "fsdp") and its options."""
+    """Resolve the config to one strategy and its options.
+
+    Without pp: "single", "tp", "ddp", "zero1" or "fsdp". With pp > 1 the strategy
+    names how gradients meet over dp: "pp" (dp=1), "allreduce" (hand-written, one
+    all_reduce per gradient after the schedule), "zero1" or "fsdp" (per stage).
+    """
     zero = int(cfg.get("zero", 0))
     strategy = cfg.get("fsdp_strategy")
     if strategy in _FSDP_ZERO and zero == 0:
         zero = _FSDP_ZERO[strategy]
     hybrid = strategy == "hybrid"
     replicate = int(cfg.get("hsdp_replicate") or 0) or default_replicate(dims.dp)
+    if zero == 1 and dims.tp > 1:
+        raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: "
+                         "use zero 2/3 with tp > 1")
+    if dims.pp > 1:
+        return _pipeline_plan(cfg, dims, zero, hybrid, replicate)
     if dims.tp > 1 and dims.dp > 1 and zero < 2:
-        if zero == 1:
-            raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: "
-                             "use zero 2/3 with tp > 1")
         # DDP cannot take TP DTensors: replicate them with FSDP2 on a (dp, 1) mesh instead.
         zero, hybrid, replicate = 2, True, dims.dp
     if (cfg.get("mixed_precision") or cfg.get("cpu_offload")) and zero < 2:
@@ -90,31 +108,67 @@ def layout_plan(cfg: dict[str, Any], dims: ParallelDims) -> dict[str, Any]:
     return {"kind": kind, "zero": zero, "hybrid": hybrid, "replicate": replicate if hybrid else 1}
 
 
-def build_layout(cfg: dict[str, Any], dims: ParallelDims, mesh, device: torch.device):
-    """Build the model on ``device`` and apply TP -> AC -> FSDP/DDP; returns (model, optimizer, plan, meshes)."""
+def _pipeline_plan(cfg: dict[str, Any], dims: ParallelDims, zero: int, hybrid: bool, replicate: int) -> dict[str, Any]:
+    if cfg.get("loss_parallel"):
+        # The schedule computes the loss inside step(); vocab-sharded logits would need
+        # loss_parallel() around every stage's backward too.
+        raise ValueError("loss_parallel is not supported with pp > 1: the pipeline schedule owns the loss")
+    if (cfg.get("mixed_precision") or cfg.get("cpu_offload")) and zero < 2:
+        raise ValueError("mixed_precision and cpu_offload are FSDP2 policies: they need zero 2 or 3")
+    # Plain DTensor TP gradients can be all-reduced shard by shard, so PP x DP x TP
+    # needs no FSDP (unlike the non-pipeline path, which uses DDP).
+    kind = "fsdp" if zero >= 2 else "zero1" if zero == 1 else "allreduce" if dims.dp > 1 else "pp"
+    return {"kind": kind, "zero": zero, "hybrid": hybrid and zero >= 2, "replicate": replicate if hybrid else 1}
+
+
+def parallelize(model: nn.Module, cfg: dict[str, Any], dims: ParallelDims, mesh, plan: dict[str, Any],
+                dp_mesh=None) -> nn.Module:
+    """TP -> AC -> FSDP on a whole GPT or one pipeline stage, in place (order: module docstring).
+
+    ``dp_mesh`` is FSDP's mesh: the 2D HSDP mesh, or by default the mesh's dp axis.
+    A stage lacks the embeddings or the head, so TP skips their plan entries.
+    """
+    if dims.tp > 1:  # 1. TP: DTensors on the tp axis
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Parallelize plan key")  # a stage's missing modules
+            apply_tp(model, mesh["tp"], sequence_parallel=bool(cfg.get("sequence_parallel")),
+                     loss_parallel=bool(cfg.get("loss_parallel")))
+    if cfg.get("activation_checkpointing"):  # 2. AC: per block, inside FSDP's units
+        apply_ac(model, dims)
+    if plan["kind"] == "fsdp":  # 3. FSDP on the dp axis (2D with TP)
+        apply_fsdp(model, dp_mesh if dp_mesh is not None else mesh["dp"], zero_stage=plan["zero"],
+                   hybrid=plan["hybrid"], mixed_precision=cfg.get("mixed_precision"),
+                   cpu_offload=bool(cfg.get("cpu_offload")))
+    return model
+
+
+def build_layout(cfg: dict[str, Any], dims: ParallelDims, mesh, device: torch.device, dp_mesh=None):
+    """Build the model on ``device`` and apply TP -> AC -> FSDP/DDP; returns (model, optimizer, plan, meshes).
+
+    A hybrid plan needs the HSDP mesh: pass it as ``dp_mesh`` (``hsdp_mesh``), or it
+    is built here and returned in ``meshes`` for the caller to destroy.
+    """
     plan = layout_plan(cfg, dims)
     settings = run_settings(cfg)
     model = build_gpt(model_config(cfg), device=device)
     extra_meshes = []
-    if dims.tp > 1:  # 1. TP: DTensors on the tp axis
-        apply_tp(model, mesh["tp"], sequence_parallel=bool(cfg.get("sequence_parallel")),
-                 loss_parallel=bool(cfg.get("loss_parallel")))
-    if cfg.get("activation_checkpointing"):  # 2. AC: per block, inside FSDP's units
-        apply_ac(model, dims)
-    if plan["kind"] == "fsdp":  # 3. FSDP on the dp axis (2D with TP)
-        dp_mesh = mesh["dp"]
-        if plan["hybrid"]:
-            dp_mesh = build_hsdp_mesh(dims, plan["replicate"], device.type)
-            extra_meshes.append(dp_mesh)
-        apply_fsdp(model, dp_mesh, zero_stage=plan["zero"], hybrid=plan["hybrid"],
-                   mixed_precision=cfg.get("mixed_precision"), cpu_offload=bool(cfg.get("cpu_offload")))
-    elif plan["kind"] in ("ddp", "zero1") and dims.dp > 1:
+    if plan["hybrid"] and dp_mesh is None:
+        dp_mesh = build_hsdp_mesh(dims, plan["replicate"], device.type)
+        extra_meshes.append(dp_mesh)
+    parallelize(model, cfg, dims, mesh, plan, dp_mesh)
+    if plan["kind"] in ("ddp", "zero1") and dims.dp > 1:
         model = apply_ddp(model, dims, mesh)
     if plan["kind"] == "zero1":
         optimizer = apply_zero1(unwrap(model), dims, mesh, **adamw_kwargs(settings))
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(settings))
     return model, optimizer, plan, extra_meshes
+
+
+def hsdp_mesh(cfg: dict[str, Any], dims: ParallelDims, device_type: str):
+    """The 2D (dp_replicate, dp_shard) mesh a hybrid plan needs, else None (collective: call on every rank)."""
+    plan = layout_plan(cfg, dims)
+    return build_hsdp_mesh(dims, plan["replicate"], device_type) if plan["hybrid"] else None
 
 
 def train_steps(model: nn.Module, optimizer, cfg: dict[str, Any], dims: ParallelDims, mesh,
@@ -179,16 +233,21 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train under the layout ``cfg`` names; returns plain records (see module docstring).
 
     Runs on every rank of the default process group; creates and destroys its own
-    mesh sub-groups.
+    mesh sub-groups, so runs on a warm pool leave only the default group behind.
     """
-    dims = ParallelDims.from_config(cfg)
+    dims = ParallelDims.from_config(cfg, cfg.get("world_size"))
     device = _device()
+    # Group creation is collective over every rank of the process group, in the mesh or not.
     mesh = build_mesh(dims, device.type)
-    extra: list = []
+    dp_mesh = hsdp_mesh(cfg, dims, device.type)
     try:
+        if mesh.get_coordinate() is None:  # beyond world_size: no part in this run
+            return {"losses": [], "grad_norms": [], "step_times": [], "params": {},
+                    "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         if dims.pp > 1:
-            return _train_pipeline(cfg, dims, mesh, device)
-        model, optimizer, plan, extra = build_layout(cfg, dims, mesh, device)
+            from kernels.train_pipeline import train_pipeline  # imports this module: only needed for pp > 1
+            return train_pipeline(cfg, dims, mesh, device, dp_mesh)
+        model, optimizer, plan, _ = build_layout(cfg, dims, mesh, device, dp_mesh)
         losses, times, norms = train_steps(model, optimizer, cfg, dims, mesh, device)
         inner = unwrap(model)
         rank = dist.get_rank()
@@ -200,44 +259,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         params = {k: v.tolist() for k, v in full.items()} if cfg.get("return_params", True) else {}
         return {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params}
     finally:
-        destroy_mesh_groups(mesh, *extra)
-
-
-def _train_pipeline(cfg: dict[str, Any], dims: ParallelDims, mesh, device: torch.device) -> dict[str, Any]:
-    """pp > 1: kernels.pipeline's stages and schedule, with plain DP across pipeline replicas."""
-    from kernels import pipeline  # imported only here: written separately, needed only for pp > 1
-    if dims.tp > 1 or int(cfg.get("zero", 0)) or cfg.get("fsdp_strategy"):
-        raise NotImplementedError("pp > 1 composes with plain data parallelism only here (tp=1, zero=0)")
-    settings, data, dp = run_settings(cfg), dataset(cfg), dp_group(mesh)
-    schedule = cfg.get("schedule", "1f1b")
-    stages = int(cfg.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2))
-    runtime = pipeline.build_pipeline(model_config(cfg), schedule, pp_rank(mesh), dims.pp, stages,
-                                      int(cfg.get("microbatches") or dims.pp), pp_group(mesh), device, loss_fn)
-    params = [p for module in runtime.modules for p in module.parameters()]
-    optimizer = torch.optim.AdamW(params, **adamw_kwargs(settings))
-    losses, times = [], []
-    for step in range(settings["steps"]):
-        inputs, targets = data.global_batch(step, settings["global_batch"])  # (B, T) each
-        inputs, targets = shard_batch(inputs, targets, dp_rank(mesh), dims.dp)  # (B/dp, T)
-        start = time.perf_counter()
-        loss = pipeline.pipeline_step(runtime, inputs, targets)  # float on the last stage, else None
-        for p in params:  # naive DP: all_reduce(SUM) of each gradient over the dp group, then / dp
-            if dims.dp > 1:
-                dist.all_reduce(p.grad, group=dp)
-                p.grad /= dims.dp
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        total = torch.tensor(loss or 0.0, device=device)  # only the last stage of each replica adds
-        dist.all_reduce(total)
-        losses.append(total.item() / dims.dp)
-    named = {n: p for module in runtime.modules for n, p in module.named_parameters()}
-    rank = dist.get_rank()
-    layout = {"rank": rank, "coords": dims.coords(rank), "strategy": f"pp-{schedule}",
-              "stage_ids": list(runtime.stage_ids),
-              "params": {k: v for module in runtime.modules for k, v in describe_params(module).items()}}
-    params_out = {n: p.detach().float().cpu().tolist() for n, p in named.items()} if cfg.get("return_params", True) else {}
-    return {"losses": losses, "grad_norms": [], "step_times": times, "layout": layout, "params": params_out}
+        destroy_mesh_groups(mesh, dp_mesh)
 
 
 def _parse(argv: list[str] | None = None) -> dict[str, Any]:
@@ -247,6 +269,7 @@ def _parse(argv: list[str] | None = None) -> dict[str, Any]:
                           ("vocab", 64), ("seq-len", 16), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp > 1), see kernels.pipeline")
     p.add_argument("--fsdp-strategy", choices=("full", "grad_op", "no_shard", "hybrid"))
     p.add_argument("--mixed-precision", choices=("bf16",))
     for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload"):

@@ -1,4 +1,4 @@
-"""Shared fixtures: a 4-rank CPU pool that is always stopped, whatever the test did."""
+"""Shared fixtures: 4- and 8-rank CPU pools that are always stopped, whatever the test did."""
 from __future__ import annotations
 
 import warnings
@@ -8,16 +8,26 @@ import pytest
 import lab
 
 
-def start_pool(n: int = 4) -> lab.Cluster:
+def start_pool(n: int = 4, timeout: float = 60) -> lab.Cluster:
     """A local gloo pool with short timeouts, quiet about oversubscribing the CPU."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", lab.OversubscribedWarning)
-        return lab.start(n=n, backend="gloo", timeout=60, collective_timeout=60, activate=False)
+        return lab.start(n=n, backend="gloo", timeout=timeout, collective_timeout=60, activate=False)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     pool = start_pool(4)
+    try:
+        yield pool
+    finally:
+        pool.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster8():
+    """Eight ranks for 3D (pp, dp, tp) layouts; started only by the tests that ask for it."""
+    pool = start_pool(8, timeout=180)  # eight engines import torch on two shared cores
     try:
         yield pool
     finally:
