@@ -25,9 +25,13 @@ Communication volume (DESIGN §3), as payload bytes per step: DDP all-reduce = t
 gradient bytes (DDP all-reduces flat buckets of all gradients); ZeRO-1 adds one
 broadcast of every parameter from its owner; FSDP all-gathers the padded parameters
 once in forward and again in backward under ZeRO-3, and reduce-scatters the padded
-gradients once; Megatron TP all-reduces b·s·h per block twice in forward and twice in
-backward (embedding and head collectives come on top). Wire bytes per rank = payload
-× the busbw factor, and busbw = algbw × the same factor.
+gradients once. TP and PP traffic come from the planner's exact per-stage account
+(``lab.plan(...).stages[pp_rank].comm`` for the lab's GPT): two all-reduces of b·s·h per
+block forward, four backward (separate q/k/v each all-reduce their input gradient, then
+fc_in), plus the embeddings' forward all-reduces, the head's backward all-reduce and its
+logits all-gather; each stage-boundary send carries b·s·h. With pp > 1 the record holds
+this rank's stages only, at rest. Wire bytes per rank = payload × the busbw factor, and
+busbw = algbw × the same factor.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import re
 from typing import Any
 
 from kernels.measure import measure_rank
-from lab.plan_math import busbw_factor, tp_allreduce_bytes, zero_memory
+from lab.plan_math import busbw_factor, zero_memory
+from lab.planner import plan
 from lab.records import CommRecord, MemoryRecord
 
 _DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.float16": 2}
@@ -162,34 +167,47 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
 def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
     """Analytic payload bytes per step by op (DESIGN §3 "Communication volume") for this rank.
 
-    Keys are op names for the dp axis, and "tp_all_reduce" for Megatron's tp-axis all-reduces.
+    Keys are op names for the dp axis, "tp_<op>" for the tp axis (DTensor "funcol" rows) and
+    "send" for stage-boundary p2p; tp and pp come from the planner's StagePlan for this rank.
     """
     table, stage = param_table(record), _stage(record)
     grads = sum(p["whole"] * p["elem"] for p in table)
     out: dict[str, float] = {}
-    if record["strategy"] in ("ddp", "zero1"):
-        out["all_reduce"] = grads  # flat buckets of every gradient
+    if record["strategy"] in ("ddp", "zero1", "allreduce") and record["dims"]["dp"] > 1:
+        out["all_reduce"] = grads  # DDP's flat buckets, or (pp) one all_reduce per gradient
     if stage == 1:
         out["broadcast"] = grads  # every parameter, from its owner, after the step
     if record["strategy"] == "fsdp":
         padded = sum(p["padded"] * p["elem"] for p in table) * record["dims"]["dp"]
         out["all_gather"] = padded * (2 if stage == 3 else 1)  # forward, and backward under ZeRO-3
         out["reduce_scatter"] = padded
-    tp = record["dims"]["tp"]
-    if tp > 1:
-        model = cfg.get("model", {})
-        b = int(cfg.get("global_batch", 8)) // record["dims"]["dp"]
-        per = tp_allreduce_bytes(b, model.get("seq_len", 32), model.get("d_model", 64), 4)
-        out["tp_all_reduce"] = 4 * model.get("layers", 4) * per  # 2 fwd + 2 bwd per block
+    if record["dims"]["tp"] > 1 or record["dims"]["pp"] > 1:
+        for e in _planned_stage(record, cfg).comm:
+            if e.axis in ("tp", "pp"):
+                key = "send" if e.axis == "pp" else f"tp_{e.op}"
+                out[key] = out.get(key, 0.0) + e.total_payload
     return out
+
+
+def _planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
+    """The planner's StagePlan for this rank's pipeline rank (fp32 AdamW, the run's batch and layout)."""
+    dims = record["dims"]
+    parallel = {**dims, "zero": int(record["zero"]), "schedule": cfg.get("schedule", "1f1b"),
+                "microbatches": record.get("microbatches", 1)}
+    if cfg.get("virtual_stages"):
+        parallel["virtual_stages"] = int(cfg["virtual_stages"])
+    if cfg.get("sequence_parallel"):
+        parallel["sequence_parallel"] = True
+    p = plan(cfg.get("model", {}), gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel,
+             global_batch=int(cfg.get("global_batch", 8)), dtype="fp32", optimizer="adam")
+    return p.stages[record["coords"]["pp"]]
 
 
 def _predicted(pred: dict[str, float], row: dict[str, Any], record: dict[str, Any]) -> float | None:
     """The analytic volume for a row: dp-axis ops are "dist" rows, TP's are "funcol" rows."""
-    tp_row = row["source"] == "funcol"
-    if tp_row and row["op"] == "all_reduce" and record["dims"]["tp"] > 1:
-        return pred.get("tp_all_reduce")
-    return None if tp_row else pred.get(row["op"])
+    if row["source"] == "funcol":
+        return pred.get(f"tp_{row['op']}")
+    return pred.get(row["op"])
 
 
 def comm_records(record: dict[str, Any], cfg: dict[str, Any]) -> list[CommRecord]:

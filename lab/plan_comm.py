@@ -21,8 +21,21 @@ What is counted, per iteration with M micro-batches per dp rank:
   out) and two backward (their conjugates), two more forward under recomputation;
   with sequence parallelism each all-reduce becomes an all-gather plus a
   reduce-scatter of the same total.
+  A model whose q/k/v are separate column-parallel Linears (the lab's GPT,
+  ``ModelSpec.fused_qkv=False``) all-reduces the attention input's gradient once per
+  projection: 4 backward all-reduces per block instead of 2 (not under SP, where one
+  all-gather feeds all three and its reduce-scatter comes once).
+- tp axis outside the blocks, for a per-tensor model (``Work.embed``/``Work.head``, the
+  lab's TP plan): the row-parallel token and position embeddings all-reduce their
+  outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input
+  gradient b·s·h backward and all-gathers the logits b·s·V forward (no loss_parallel).
+  Under SP the embedding all-reduces become reduce-scatters and the head's input is
+  all-gathered forward, reduce-scattered backward.
 - pp axis: per micro-batch and virtual stage, one activation send forward and one
-  gradient send backward. A middle stage does both; the first and last do one.
+  gradient send backward. A middle stage does both; the first and last do one. With
+  ``Work.stage_ids`` (one pipeline rank's stages) the sends are that rank's own: a
+  forward send for each stage whose successor is on another rank, a backward send for
+  each stage whose predecessor is (the V schedules keep the turn on one rank).
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -69,6 +82,12 @@ class Work:
     seq_len: int
     hidden: int | None  # None for a count-only model: no TP/PP traffic can be sized
     layers_on_rank: int | None
+    embed: bool = False  # holds TP-sharded embeddings (per-tensor models): their collectives count
+    head: bool = False  # holds the TP-sharded LM head (per-tensor models)
+    vocab: int | None = None
+    qkv_allreduces: int = 1  # backward all-reduces of the attention input: 1 fused, 3 separate q/k/v
+    stage_ids: tuple[int, ...] = ()  # this pipeline rank's stages; () = a middle stage
+    num_stages: int = 1
 
 
 def dp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
@@ -109,32 +128,61 @@ def _hybrid_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]
 
 
 def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
-    """Megatron's block-output all-reduces (or SP's all-gather + reduce-scatter pairs)."""
+    """Megatron's block-output all-reduces (or SP's all-gather + reduce-scatter pairs),
+    then the embedding and head collectives of a per-tensor model."""
     if lay.tp == 1 or w.hidden is None or w.layers_on_rank is None:
         return []
     link = axis_link(lay, "tp", gpus_per_node)
     payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
-    per_phase = 2 * w.layers_on_rank * w.microbatches
+    per_block = {"fwd": 2, "bwd": 2 if lay.sequence_parallel else 1 + w.qkv_allreduces, "recompute": 2}
     phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing else [])
     out = []
     for phase in phases:
+        count = per_block[phase] * w.layers_on_rank * w.microbatches
+        if count == 0:
+            continue
         if lay.sequence_parallel:
-            out.append(entry("tp", "all_gather", phase, link, lay.tp, per_phase, payload))
-            out.append(entry("tp", "reduce_scatter", phase, link, lay.tp, per_phase, payload))
+            out.append(entry("tp", "all_gather", phase, link, lay.tp, count, payload))
+            out.append(entry("tp", "reduce_scatter", phase, link, lay.tp, count, payload))
         else:
-            out.append(entry("tp", "all_reduce", phase, link, lay.tp, per_phase, payload))
+            out.append(entry("tp", "all_reduce", phase, link, lay.tp, count, payload))
+    return out + _tp_outer_entries(lay, w, link, payload)
+
+
+def _tp_outer_entries(lay: Layout, w: Work, link: str, payload: float) -> list[CommEntry]:
+    """The row-parallel embeddings' outputs and the column-parallel head's input and logits."""
+    m, n, out = w.microbatches, lay.tp, []
+    reduce = "reduce_scatter" if lay.sequence_parallel else "all_reduce"
+    if w.embed:
+        out.append(entry("tp", reduce, "fwd", link, n, m, payload))  # token embedding (b, s, h)
+        out.append(entry("tp", reduce, "fwd", link, n, m, payload / w.micro_batch))  # positions (s, h)
+    if w.head and w.vocab is not None:
+        if lay.sequence_parallel:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
+            out.append(entry("tp", "all_gather", "fwd", link, n, m, payload))
+        out.append(entry("tp", reduce, "bwd", link, n, m, payload))  # input gradient (b, s, h)
+        logits = payload / w.hidden * w.vocab
+        out.append(entry("tp", "all_gather", "fwd", link, n, m, logits))  # (b, s, V/tp) -> (b, s, V)
     return out
 
 
 def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
-    """Stage-boundary sends of a middle stage: activations forward, gradients backward."""
+    """Stage-boundary sends: a middle stage's (activations forward, gradients backward),
+    or with ``w.stage_ids`` exactly this pipeline rank's."""
     if lay.pp == 1 or w.hidden is None:
         return []
     link = axis_link(lay, "pp", gpus_per_node)
     payload = pp_p2p_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
-    count = w.microbatches * lay.virtual_stages
-    return [entry("pp", "p2p", "fwd", link, lay.pp, count, payload),
-            entry("pp", "p2p", "bwd", link, lay.pp, count, payload)]
+    fwd = bwd = w.microbatches * lay.virtual_stages
+    if w.stage_ids:
+        mine, last = set(w.stage_ids), w.num_stages - 1
+        fwd = w.microbatches * sum(1 for s in mine if s < last and s + 1 not in mine)
+        bwd = w.microbatches * sum(1 for s in mine if s > 0 and s - 1 not in mine)
+    out = []
+    if fwd:
+        out.append(entry("pp", "p2p", "fwd", link, lay.pp, fwd, payload))
+    if bwd:
+        out.append(entry("pp", "p2p", "bwd", link, lay.pp, bwd, payload))
+    return out
 
 
 def all_entries(lay: Layout, w: Work, gpus_per_node: int) -> tuple[CommEntry, ...]:

@@ -12,6 +12,11 @@ Each preset carries two parameter counts:
 The shapes are the published configs (GPT-2 and GPT-3 papers, Meta's Llama 3 model
 cards and config.json files, BERT's paper). ResNet-50 has no transformer shape, so it
 is known by its parameter count only; activation and TP/PP traffic need a shape.
+
+``ModelSpec.from_gpt(cfg)`` describes the lab's own GPT (``kernels.model.GPTConfig`` or
+its dict) with ``per_tensor=True``: the planner then sizes every rank tensor by tensor
+(``gpt_tensors``: which weights TP splits and on which dim, which it replicates, and
+which pipeline stage holds them) instead of the seeds' even Ψ/(tp·pp).
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -39,6 +44,27 @@ class ModelSpec:
     tied_embeddings: bool = True  # output head shares the input embedding (GPT-2/3, BERT)
     learned_pos: bool = True  # learned position table of seq_len x hidden (GPT, BERT); RoPE has none
     bias: bool = True  # linear and LayerNorm biases (GPT, BERT); Llama has none
+    # Megatron fuses q/k/v into one column-parallel GEMM: one backward all-reduce of its
+    # input gradient. The lab's GPT has separate q, k, v Linears, each with its own
+    # DTensor input (from_local), so TP all-reduces that gradient three times.
+    fused_qkv: bool = True
+    per_tensor: bool = False  # size shards tensor by tensor (gpt_tensors), as the lab's GPT is built
+
+    @classmethod
+    def from_gpt(cls, cfg: Any, name: str | None = None) -> "ModelSpec":
+        """The lab's GPT (``kernels.model.GPTConfig`` or a dict of its fields), counted exactly.
+
+        Untied LM head without bias, learned positions, LayerNorm and Linear biases when
+        ``bias`` (GPT-2), separate q/k/v; ``params`` is the exact count.
+        """
+        get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
+        d_model = int(get("d_model", 64))
+        d_ff = get("d_ff", None)
+        spec = cls(name or f"lab GPT L{get('layers', 4)} d{d_model}", 0.0, int(get("layers", 4)), d_model,
+                   int(get("heads", 4)), None, int(d_ff) if d_ff is not None else 4 * d_model,
+                   int(get("vocab", 256)), seq_len=int(get("seq_len", 32)), tied_embeddings=False,
+                   bias=bool(get("bias", True)), fused_qkv=False, per_tensor=True)
+        return dataclasses.replace(spec, params=spec.shape_params)
 
     @property
     def has_shape(self) -> bool:
@@ -74,6 +100,70 @@ def _count_from_shape(m: ModelSpec) -> int:
     embed = m.vocab * h + (m.seq_len * h if m.learned_pos else 0)
     head = 0 if m.tied_embeddings else m.vocab * h
     return m.layers * (attn + mlp + norms) + embed + head + (2 if m.bias else 1) * h
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter tensor of a per-tensor model: its shape, TP split and pipeline owner."""
+
+    name: str  # as in kernels.model.GPT.named_parameters()
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim TP shards (kernels.tensor_parallel's plans); None = replicated
+    owner: str  # "embed" (first stage), "block" (stage of its block), "head" (last stage)
+    block: int | None = None  # the block index, for owner "block"
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        return math.prod(self.shape)
+
+    def tp_numel(self, tp: int, tp_index: int = 0) -> int:
+        """Elements on tp rank ``tp_index``: the tp dim chunked as torch.chunk does (ceil, the last fewer)."""
+        if self.tp_dim is None or tp == 1:
+            return self.numel
+        d = self.shape[self.tp_dim]
+        c = math.ceil(d / tp)
+        return self.numel // d * max(0, min(c, d - tp_index * c))
+
+
+def _linear(prefix: str, d_out: int, d_in: int, bias: bool, style: str, **where: Any) -> list[TensorSpec]:
+    """nn.Linear's weight (out, in) and bias (out,): colwise shards dim 0 of both, rowwise
+    dim 1 of the weight and replicates the bias (it is added after the all-reduce)."""
+    out = [TensorSpec(f"{prefix}.weight", (d_out, d_in), {"col": 0, "row": 1}.get(style), **where)]
+    if bias:
+        out.append(TensorSpec(f"{prefix}.bias", (d_out,), 0 if style == "col" else None, **where))
+    return out
+
+
+def gpt_tensors(m: ModelSpec) -> tuple[TensorSpec, ...]:
+    """The lab GPT's parameters in model order, with kernels.tensor_parallel's TP plan.
+
+    Embeddings are row-parallel (Shard(0): vocab rows, position rows), the LM head
+    column-parallel (Shard(0): vocab), q/k/v/fc_in column-parallel, out/fc_out
+    row-parallel; LayerNorms are replicated (sequence parallelism shards their input,
+    not their weights).
+    """
+    if not m.has_shape or m.ffn is None or m.vocab is None or m.gated_mlp or m.tied_embeddings:
+        raise ValueError(f"{m.name}: per-tensor sizing needs the lab GPT's shape (untied, GELU MLP)")
+    h, kv = m.hidden, (m.kv_heads or m.heads or 1) * (m.hidden // (m.heads or 1))
+    out = [TensorSpec("tok_emb.weight", (m.vocab, h), 0, "embed")]
+    if m.learned_pos:
+        out.append(TensorSpec("pos_emb.weight", (m.seq_len, h), 0, "embed"))
+    for i in range(m.layers):
+        blk, b = {"owner": "block", "block": i}, f"blocks.{i}."
+        out += _norm(b + "attn_norm", h, m.bias, **blk)
+        for name, width in (("q", h), ("k", kv), ("v", kv)):
+            out += _linear(b + "attn." + name, width, h, m.bias, "col", **blk)
+        out += _linear(b + "attn.out", h, h, m.bias, "row", **blk)
+        out += _norm(b + "mlp_norm", h, m.bias, **blk)
+        out += _linear(b + "mlp.fc_in", m.ffn, h, m.bias, "col", **blk)
+        out += _linear(b + "mlp.fc_out", h, m.ffn, m.bias, "row", **blk)
+    out += _norm("norm", h, m.bias, owner="head")
+    return tuple(out + _linear("lm_head", m.vocab, h, False, "col", owner="head"))
+
+
+def _norm(prefix: str, h: int, bias: bool, **where: Any) -> list[TensorSpec]:
+    return [TensorSpec(f"{prefix}.{k}", (h,), None, **where) for k in (("weight", "bias") if bias else ("weight",))]
 
 
 _LLAMA = dict(gated_mlp=True, tied_embeddings=False, learned_pos=False, bias=False, vocab=128256)
@@ -136,10 +226,16 @@ def custom_model(name: str = "custom", *, params: float | None = None, layers: i
     return spec
 
 
-def get_model(model: str | float | int | ModelSpec | Mapping[str, Any]) -> ModelSpec:
-    """Resolve a preset name (any case/separators), a ModelSpec, a dict of fields, or a count."""
+def get_model(model: str | float | int | ModelSpec | Mapping[str, Any] | Any) -> ModelSpec:
+    """Resolve a preset name (any case/separators), a ModelSpec, a dict of fields, or a count.
+
+    A ``kernels.model.GPTConfig``, or a dict with ``d_model`` (its field names), is the
+    lab's GPT: ``ModelSpec.from_gpt``, sized tensor by tensor.
+    """
     if isinstance(model, ModelSpec):
         return model
+    if isinstance(model, Mapping) and "d_model" in model or hasattr(model, "d_model"):
+        return ModelSpec.from_gpt(model)  # the lab's GPTConfig, or its dict
     if isinstance(model, Mapping):
         return custom_model(**dict(model))
     if isinstance(model, (int, float)) and not isinstance(model, bool):

@@ -8,6 +8,16 @@ TP and PP, then by the dp axis as ZeRO says; activations are the seeds' b·s·h�
 bytes per micro-batch, times the micro-batches a schedule keeps in flight (GPipe M,
 1F1B P), and are not split by TP unless sequence parallelism is on (seeds/000 TP §1:
 "Activations はシャーディングされない"). GB is 1e9 bytes, as in the seeds.
+
+Every pipeline rank is sized (``Plan.stages``, one ``StagePlan`` per pp rank: its
+stages, blocks, parameters, memory and exact traffic); ``Plan.memory`` and the dp/tp
+part of ``Plan.comm`` are the busiest rank's, and ``Plan.comm``'s p2p is a middle
+stage's (the busiest link). A preset splits Ψ evenly over its blocks (the seeds'
+convention, embeddings not singled out); the lab's GPT (``ModelSpec.from_gpt``, or a
+``GPTConfig``/its dict as ``model``) is counted tensor by tensor: TP splits what
+``kernels.tensor_parallel`` splits (tp rank 0's chunk, the largest) and replicates
+the norms and row-parallel biases, and PP gives the embeddings to the first stage,
+the final norm and LM head to the last, blocks in equal contiguous runs.
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -19,10 +29,19 @@ from typing import Any, Mapping
 
 from lab import plan_render
 from lab.plan_comm import CommEntry, Work, all_entries
-from lab.plan_math import (GB, activation_bytes, bubble_fraction, checkpointed_activation_bytes,
-                           dtype_bytes, megatron_bubble, optimizer_bytes, required_bandwidth, zero_memory)
-from lab.plan_mesh import Layout, axis_link, hybrid_shard_size, layout_from
-from lab.plan_models import ModelSpec, get_model
+from lab.plan_math import (
+    GB,
+    activation_bytes,
+    bubble_fraction,
+    checkpointed_activation_bytes,
+    dtype_bytes,
+    megatron_bubble,
+    optimizer_bytes,
+    required_bandwidth,
+    zero_memory,
+)
+from lab.plan_mesh import MULTI_STAGE, Layout, axis_link, hybrid_shard_size, layout_from
+from lab.plan_models import ModelSpec, get_model, gpt_tensors
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,18 @@ class LinkLoad:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline rank: its stages and blocks, parameters after TP, memory and traffic."""
+
+    pp_rank: int
+    stage_ids: tuple[int, ...]  # global stage indices on this rank (kernels.pipeline's placement)
+    layers: int | None  # transformer blocks on this rank
+    params: float  # Ψ on this rank after TP and PP, before dp sharding
+    memory: MemoryBreakdown
+    comm: tuple[CommEntry, ...]  # this rank's traffic, its p2p sends exactly
+
+
+@dataclass(frozen=True)
 class Plan:
     """The analytic picture of one layout; ``to_dict()`` is JSON-able."""
 
@@ -85,6 +116,7 @@ class Plan:
     bubble_megatron: float | None  # (p-1)/m or (p-1)/(v·m)
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    stages: tuple[StagePlan, ...] = ()  # one per pipeline rank
 
     @property
     def fits(self) -> bool:
@@ -113,6 +145,8 @@ class Plan:
         """A JSON-able dict of every field."""
         out = dataclasses.asdict(self)
         out["memory"] = self.memory.to_dict()
+        for stage, data in zip(self.stages, out["stages"]):
+            data["memory"] = stage.memory.to_dict()
         out["fits"] = self.fits
         return out
 
@@ -158,17 +192,21 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     m_default = microbatches if microbatches is not None else _get_m(parallel)
     gb, mb, m = resolve_batch(lay, global_batch, micro_batch, m_default)
     seq = seq_len or spec.seq_len
-    eb = dtype_bytes(dtype)
-    work = Work(_psi_local(spec, lay), eb, mb, m, seq, spec.hidden, _layers_on_rank(spec, lay))
-    mem = _memory(spec, lay, work, gpus_per_node, optimizer_bytes(optimizer, dtype),
-                  gpu_mem_gb, activations_gb)
-    comm = all_entries(lay, work, gpus_per_node)
+    base = Work(0.0, dtype_bytes(dtype), mb, m, seq, spec.hidden, None, vocab=spec.vocab,
+                qkv_allreduces=1 if spec.fused_qkv else 3)
+    stages = stage_plans(spec, lay, base, gpus_per_node, optimizer_bytes(optimizer, dtype), gpu_mem_gb,
+                         activations_gb)
+    busiest = max(stages, key=lambda st: st.memory.total)  # the first on ties
+    work = dataclasses.replace(base, psi_local=busiest.params, layers_on_rank=busiest.layers,
+                               embed=spec.per_tensor and 0 in busiest.stage_ids,
+                               head=spec.per_tensor and lay.pp * lay.virtual_stages - 1 in busiest.stage_ids)
+    mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
     bubble = (bubble_fraction(lay.pp, m, lay.virtual_stages), megatron_bubble(lay.pp, m, lay.virtual_stages))
     return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,
                 str(optimizer), mem, comm, _links(comm, intra_bw, inter_bw, target_iter_s), target_iter_s,
                 *(bubble if lay.pp > 1 else (None, None)),
                 warnings=tuple(_warnings(spec, lay, mem, m, gpus_per_node, activations_gb)),
-                notes=tuple(_notes(lay, gpus_per_node)))
+                notes=tuple(_notes(lay, gpus_per_node)), stages=stages)
 
 
 def _with_dp(parallel: Any, gpus: int) -> Any:
@@ -215,25 +253,63 @@ def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None
     return global_batch, micro_batch, m
 
 
-def _layers_on_rank(spec: ModelSpec, lay: Layout) -> int | None:
-    """Blocks on pipeline rank 0: ceil(L / pp), since uneven splits load the first stages."""
-    return None if spec.layers is None else math.ceil(spec.layers / lay.pp)
+def stage_ids(schedule: str, pp_rank: int, pp: int, v: int = 1) -> tuple[int, ...]:
+    """Global stages on ``pp_rank`` (kernels.pipeline.stage_ids_for_rank's placement):
+    [r] for GPipe/1F1B, the V [r, 2p-1-r] for ZBV/DualPipeV, else looped [r, r+p, ...]."""
+    if schedule not in MULTI_STAGE:
+        return (pp_rank,)
+    if schedule in ("zbv", "dualpipev"):
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(pp_rank + k * pp for k in range(v))
 
 
-def _psi_local(spec: ModelSpec, lay: Layout) -> float:
-    """Parameters on the busiest rank: Ψ/(tp·pp), scaled up when stages are uneven.
+def stage_blocks(layers: int, num_stages: int) -> list[range]:
+    """Contiguous block indices per stage: equal runs, the first ``layers % num_stages`` one longer."""
+    per, extra = divmod(layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = per + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
 
-    Like the seeds (140GB / 8 under TP8), every weight is taken to split evenly;
-    embeddings and norms, which are replicated or sit on end stages, are not singled out.
+
+def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> tuple[float, int | None]:
+    """(Ψ after TP, blocks) of the pipeline rank holding stages ``ids``.
+
+    A per-tensor model sums its tensors' tp-rank-0 chunks; any other model takes its
+    blocks' share of Ψ, divided by tp (the seeds: "140GB / 8" under TP8).
     """
-    share = 1.0 / lay.pp
-    if spec.layers is not None and lay.pp > 1:
-        share = _layers_on_rank(spec, lay) / spec.layers
-    return spec.params * share / lay.tp
+    n_stages = lay.pp * (lay.virtual_stages if lay.schedule in MULTI_STAGE else 1)
+    if spec.layers is None:
+        return spec.params / lay.pp / lay.tp, None
+    runs = stage_blocks(spec.layers, n_stages)
+    blocks = {b for s in ids for b in runs[s]}
+    if not spec.per_tensor:
+        return spec.params * len(blocks) / spec.layers / lay.tp, len(blocks)
+    mine = {"embed": 0 in ids, "head": n_stages - 1 in ids}
+    total = sum(t.tp_numel(lay.tp) for t in gpt_tensors(spec)
+                if (t.block in blocks if t.owner == "block" else mine[t.owner]))
+    return float(total), len(blocks)
+
+
+def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k: float, gpu_mem_gb: float,
+                activations_gb: float | None) -> tuple[StagePlan, ...]:
+    """A StagePlan per pipeline rank: ``base`` (batch and dtype) with that rank's Ψ, blocks and stages."""
+    n_stages = lay.pp * (lay.virtual_stages if lay.schedule in MULTI_STAGE else 1)
+    out = []
+    for r in range(lay.pp):
+        ids = stage_ids(lay.schedule, r, lay.pp, lay.virtual_stages)
+        psi, layers = stage_params(spec, lay, ids)
+        w = dataclasses.replace(base, psi_local=psi, layers_on_rank=layers, stage_ids=ids, num_stages=n_stages,
+                                embed=spec.per_tensor and 0 in ids, head=spec.per_tensor and n_stages - 1 in ids)
+        mem = _memory(spec, lay, w, gpus_per_node, k, gpu_mem_gb, activations_gb, stage=r)
+        out.append(StagePlan(r, ids, layers, psi, mem, all_entries(lay, w, gpus_per_node)))
+    return tuple(out)
 
 
 def _memory(spec: ModelSpec, lay: Layout, w: Work, gpus_per_node: int, k: float, gpu_mem_gb: float,
-            activations_gb: float | None) -> MemoryBreakdown:
+            activations_gb: float | None, stage: int = 0) -> MemoryBreakdown:
     n = lay.dp
     if lay.fsdp_strategy == "hybrid":
         n = hybrid_shard_size(lay.dp, lay.tp, gpus_per_node)
@@ -241,17 +317,18 @@ def _memory(spec: ModelSpec, lay: Layout, w: Work, gpus_per_node: int, k: float,
     if activations_gb is not None:
         act = activations_gb * GB
     else:
-        act = _activations(lay, w)
+        act = _activations(lay, w, stage)
     return MemoryBreakdown(params, grads, opt, act, gpu_mem_gb * GB)
 
 
-def in_flight(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Micro-batches whose activations stage 0 holds at its peak, in units of one
-    micro-batch through that rank's blocks.
+def in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak, in units
+    of one micro-batch through that rank's blocks.
 
-    GPipe and looped BFS run every forward first: M (seeds/000 PP §1). 1F1B and ZB-V
-    start backward after P forwards: min(P, M). Interleaved schedules hold
-    (1 + (P-1)/(P·v)) times more (Korthikanti et al. 2022 §4.2.3); DualPipeV P+1.
+    GPipe and looped BFS run every forward first: M (seeds/000 PP §1). 1F1B starts
+    backward after P - stage forwards: min(P - stage, M); ZB-V is sized as stage 0,
+    min(P, M). Interleaved schedules hold (1 + (P-1)/(P·v)) times more (Korthikanti
+    et al. 2022 §4.2.3); DualPipeV P+1. Those are stage 0's figures, used for every rank.
     """
     if p == 1:
         return 1.0
@@ -261,13 +338,13 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1) -> float:
         return min(p, m) * (1 + (p - 1) / (p * v))
     if schedule == "dualpipev":
         return float(min(p + 1, m))
-    return float(min(p, m))
+    return float(min(p - stage if schedule == "1f1b" else p, m))
 
 
-def _activations(lay: Layout, w: Work) -> float:
+def _activations(lay: Layout, w: Work, stage: int = 0) -> float:
     if w.hidden is None or w.layers_on_rank is None:
         return 0.0
-    flight = in_flight(lay.schedule, lay.pp, w.microbatches, lay.virtual_stages)
+    flight = in_flight(lay.schedule, lay.pp, w.microbatches, lay.virtual_stages, stage)
     one = activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank, w.elem_bytes)
     if lay.activation_checkpointing:
         kept = checkpointed_activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank,
