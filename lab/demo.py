@@ -1,10 +1,15 @@
-"""The main job: start the pool, run the five collectives, and check every output by hand."""
+"""The main job: the five collectives checked by hand, then a GPT trained in 3D beside one process."""
 from __future__ import annotations
 
 from typing import Any
 
 from kernels.collectives import collective_inputs, run_collectives
 from lab.cluster import Cluster
+from lab.experiment import Experiment
+from lab.parallel import Parallel
+from lab.run_result import RunResult
+
+DEMO_MODEL = dict(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
 
 
 def expected_output(op: str, rank: int, world: int) -> list[float]:
@@ -44,3 +49,24 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                  "ok" if row["ok"] else "WRONG")
         lines.append("  ".join(c.ljust(w) for c, (_, w) in zip(cells, cols)))
     return "\n".join(lines)
+
+
+def demo_layout(world: int) -> Parallel:
+    """As many parallel axes as ``world`` allows: TP2 inside, then PP2, DP over the rest.
+
+    8 ranks give PP2×DP2×TP2 (3D); 4 give PP2×TP2; an odd world falls back to DP.
+    """
+    tp = 2 if world % 2 == 0 else 1
+    pp = 2 if (world // tp) % 2 == 0 else 1
+    dp = world // (tp * pp)
+    return Parallel(dp=dp, tp=tp, pp=pp, schedule="1f1b", microbatches=4 if pp > 1 else 1)
+
+
+def train_demo(cluster: Cluster, steps: int = 5) -> tuple[Parallel, RunResult, RunResult]:
+    """Train the demo GPT under ``demo_layout`` on the ranks and in one process."""
+    from kernels.model import GPTConfig
+
+    parallel = demo_layout(cluster.world_size)
+    global_batch = 4 * parallel.dp * parallel.num_microbatches
+    exp = Experiment(cluster, GPTConfig(**DEMO_MODEL), parallel, global_batch=global_batch, steps=steps, lr=5e-3)
+    return parallel, exp.run(), exp.reference()
