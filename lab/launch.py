@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ipyparallel as ipp
 import psutil
+from traitlets.config import Config
 
 
 @dataclass
@@ -33,10 +34,17 @@ class EngineSource:
     pids: set[int] = field(default_factory=set)  # every process the lab started
 
 
-def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60.0) -> EngineSource:
-    """Start a controller and ``n`` engines on this machine and connect to them."""
+def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60.0,
+                engine_env: dict[str, str] | None = None) -> EngineSource:
+    """Start a controller and ``n`` engines on this machine and connect to them.
+
+    ``engine_env`` is added to each engine's environment (e.g. OMP_NUM_THREADS, which
+    must be set before the engine's OpenMP runtime starts, as torchrun does).
+    """
     profile_dir = tempfile.mkdtemp(prefix="cluster-lab-")  # mkdtemp makes it 0700
-    cluster = ipp.Cluster(n=n, profile_dir=profile_dir, controller_ip=controller_ip,
+    config = Config()
+    config.LocalEngineSetLauncher.environment = dict(engine_env or {})
+    cluster = ipp.Cluster(n=n, profile_dir=profile_dir, controller_ip=controller_ip, config=config,
                           log_level=40, shutdown_atexit=False, engine_timeout=timeout)
     try:
         client = cluster.start_and_connect_sync(activate=False)

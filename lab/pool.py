@@ -1,6 +1,8 @@
 """The two ways to get a pool: start one on this machine, or attach to a running one."""
 from __future__ import annotations
 
+import os
+
 from lab import launch
 from lab.cluster import Cluster, default_rank_count
 
@@ -22,7 +24,10 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     n = default_rank_count() if n is None else n
     if n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n}")
-    source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout)
+    # Like torchrun, cap each engine's OpenMP pool before it starts; torch threads are set again per rank.
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // n)
+    source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout,
+                                engine_env={"OMP_NUM_THREADS": str(threads)})
     return Cluster(source, backend=backend, threads_per_rank=threads_per_rank, timeout=timeout,
                    collective_timeout=collective_timeout, activate=activate)
 

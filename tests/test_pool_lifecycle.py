@@ -115,3 +115,11 @@ def test_cluster_view_follows_a_call_live_and_marks_a_failed_rank_red(cluster):
     assert all(final[r]["rss_bytes"] > 10 * 2**20 for r in range(4))  # real resident memory of each engine
     cluster.run(rank_sum, 0.0)
     assert [r["state"] for r in view.ranks] == ["idle"] * 4
+
+
+def test_engines_start_with_their_openmp_pool_capped_like_torchrun(cluster):
+    def omp_threads():
+        import os
+        return os.environ.get("OMP_NUM_THREADS")
+
+    assert cluster.run(omp_threads) == [str(cluster.threads)] * 4
