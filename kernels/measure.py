@@ -1,32 +1,36 @@
 """Measure memory and communication of a layout: ``measure_rank(cfg) -> record``.
 
-Algorithm: the layout is built exactly as training builds it (``kernels.train.build_layout``:
-TP -> activation checkpointing -> FSDP2/DDP/ZeRO-1, Rajbhandari et al., 2020; Zhao
-et al., 2023), then a few plain AdamW steps run with the probes of
-``kernels.memory`` and ``kernels.comm`` on the last one (the steady state: optimizer
-state exists and DDP has rebuilt its buckets):
+Algorithm: the layout is built and trained exactly as ``kernels.train.train_rank``
+builds and trains it (TP -> activation checkpointing -> FSDP2/DDP/ZeRO-1,
+Rajbhandari et al., 2020; Zhao et al., 2023); the probes of ``kernels.memory`` and
+``kernels.comm`` watch its last step (the steady state: optimizer state exists and
+DDP has rebuilt its buckets). ``measure_rank`` is ``train_rank`` with
+``cfg["measure"]`` on; the probes are the ``StepProbe``/``PipelineProbe`` below,
+which the training loops call at fixed points of the step:
 
-- memory at ``peak_fwd_bwd`` (forward done, loss in hand, backward not started) and
-  ``at_rest`` (after ``optimizer.step()``, before ``zero_grad``); gradients are zeroed
-  with ``set_to_none=False`` so their buffers live across steps, as in the ZeRO formulas;
+- memory at ``peak_fwd_bwd`` (the last micro-batch's forward done, loss in hand,
+  backward not started) and ``at_rest`` (after ``optimizer.step()``, before
+  ``zero_grad``); while probing, gradients are zeroed with ``set_to_none=False`` so
+  their buffers live across steps, as in the ZeRO formulas;
 - communication over the whole step (forward, backward, optimizer step), per
-  collective type. DDP is switched to torch's Python ``allreduce_hook`` so its bucket
-  all-reduces are seen (same maths as its C++ default).
+  collective type; the loss report and the gradient norm come after, unmetered. DDP
+  is switched to torch's Python ``allreduce_hook`` so its bucket all-reduces are
+  seen (same maths as its C++ default).
 
-One micro-batch per step without pp. With pp > 1 (``measure_pipeline``) this rank's
-stages are built by ``kernels.pipeline.build_pipeline`` with the same TP -> AC -> FSDP
-transform as training, a whole schedule step runs (m micro-batches), and only the
-``at_rest`` moment is taken: forward and backward interleave inside the schedule, so
-there is no single moment between them. Stage-boundary p2p is metered at the stage
-(``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries): torch's
-``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p alone
-here (``_CollectiveMeter``). Config keys are ``kernels.train``'s, plus ``steps`` (default 2).
+With pp > 1 (``PipelineProbe``) a whole schedule step runs (m micro-batches) and
+only the ``at_rest`` moment is taken: forward and backward interleave inside the
+schedule, so there is no single moment between them. Stage-boundary p2p is metered at
+the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
+torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p
+alone here (``_CollectiveMeter``). Config keys are ``kernels.train``'s; ``steps``
+defaults to 2 here.
 
 Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
 "params": describe_params, "optimizer_params": [names] (ZeRO-1 only), "memory":
 {"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
-"comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count}, "step_seconds", "loss", "device"}``;
-with pp also ``"stage_ids", "num_stages", "microbatches", "micro_batch"`` (memory: ``at_rest`` only).
+"comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
+"step_seconds", "loss", "device", "microbatches"}``; with pp also ``"stage_ids",
+"num_stages", "micro_batch"`` (memory: ``at_rest`` only).
 
 Run alone (ZeRO-3 on 4 ranks, prints rank 0's record)::
 
@@ -37,107 +41,66 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels import pipeline
-from kernels.comm import _DIST_OPS, _P2P, CommMeter, route_ddp_through_python
-from kernels.data import shard_batch
-from kernels.data_parallel import unwrap
-from kernels.fsdp import describe_params
+from kernels.comm import _DIST_OPS, _P2P, CommMeter, route_ddp_through_python, unmetered
 from kernels.memory import SavedActivations, snapshot
-from kernels.mesh import (
-    ParallelDims,
-    build_hsdp_mesh,
-    build_mesh,
-    destroy_mesh_groups,
-    dp_group,
-    dp_rank,
-    dp_world_size,
-    pp_group,
-    pp_rank,
-)
-from kernels.model import loss_fn
-from kernels.reference import adamw_kwargs, dataset, model_config, run_settings
-from kernels.tensor_parallel import loss_context
-from kernels.train import build_layout, layout_plan, parallelize
-from kernels.train_pipeline import average_gradients
-from kernels.zero import apply_zero1, owned_parameters
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class StepProbe:
+    """The probes of one training step; the loop calls ``metered()``, ``forward()`` and ``at_rest()``.
 
+    ``model`` is what the loop runs (DDP wrapper included); ``optimizer`` its optimizer.
+    """
 
-def probed_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor, *, loss_parallel: bool,
-                device: torch.device, meter: CommMeter | None = None) -> dict[str, Any]:
-    """One step with the memory probes at both moments; ``meter`` (if given) spans the whole step."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    metering = meter.active() if meter is not None else _nothing()
-    start = time.perf_counter()
-    with metering, loss_context(loss_parallel):
-        with SavedActivations(model) as acts:
-            loss = loss_fn(model(x), y)  # (B*T,) mean over this shard's tokens
-        peak = snapshot(model, optimizer, "peak_fwd_bwd", acts.bytes, device)
-        loss.backward()
-        optimizer.step()
-    seconds = time.perf_counter() - start
-    rest = snapshot(model, optimizer, "at_rest", None, device)
-    optimizer.zero_grad(set_to_none=False)
-    value = loss.detach()
-    value = value.to_local() if hasattr(value, "to_local") else value
-    return {"memory": {"peak_fwd_bwd": peak, "at_rest": rest}, "step_seconds": seconds, "loss": float(value)}
+    def __init__(self, model: nn.Module, optimizer, device: torch.device, meter: CommMeter | None = None) -> None:
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.meter = meter if meter is not None else CommMeter()
+        self.memory: dict[str, dict[str, Any]] = {}
+        self.seconds: float | None = None  # summed over the metered parts of the step
+        self.debug_counts: dict[str, int] = {}
 
+    @contextlib.contextmanager
+    def metered(self) -> Iterator[None]:
+        """Meter every collective of the body (a micro-batch's forward and backward, or the optimizer step).
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
+        One meter session per call, summed: CommDebugMode's module tracker fails on a
+        second forward inside one session (IndexError in ``_fw_set_module_hook``).
+        """
+        if self.seconds is None:
+            self.seconds = 0.0
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # the peak of this step only
+        start = time.perf_counter()
+        with self.meter.active():
+            yield
+        self.seconds += time.perf_counter() - start
+        for op, n in getattr(self.meter, "debug_counts", {}).items():
+            self.debug_counts[op] = self.debug_counts.get(op, 0) + n
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Count what autograd saves in the body; snapshot ``peak_fwd_bwd`` right after it."""
+        with SavedActivations(self.model) as acts:
+            yield
+        self.memory["peak_fwd_bwd"] = snapshot(self.model, self.optimizer, "peak_fwd_bwd", acts.bytes, self.device)
 
+    def at_rest(self) -> None:
+        """Snapshot ``at_rest``: call after ``optimizer.step()``, before ``zero_grad``."""
+        self.memory["at_rest"] = snapshot(self.model, self.optimizer, "at_rest", None, self.device)
 
-def measure_rank(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Build the layout ``cfg`` names, run ``cfg["steps"]`` (default 2) steps, probe the last (pp > 1: ``measure_pipeline``)."""
-    dims = ParallelDims.from_config(cfg)
-    device = _device()
-    mesh = build_mesh(dims, device.type)
-    extra: list = []
-    try:
-        if dims.pp > 1:
-            return measure_pipeline(cfg, dims, mesh, device, extra)
-        model, optimizer, plan, extra = build_layout(cfg, dims, mesh, device)
-        if isinstance(model, DDP):
-            route_ddp_through_python(model)
-        settings, data = run_settings(cfg), dataset(cfg)
-        steps = max(1, int(cfg.get("steps", 2)))
-        lp = bool(cfg.get("loss_parallel")) and dims.tp > 1
-        for step in range(steps):
-            inputs, targets = data.global_batch(step, settings["global_batch"])  # (B, T)
-            x, y = shard_batch(inputs, targets, dp_rank(mesh), dp_world_size(mesh))  # (B/dp, T)
-            meter = CommMeter() if step == steps - 1 else None
-            out = probed_step(model, optimizer, x.to(device), y.to(device), loss_parallel=lp,
-                              device=device, meter=meter)
-        rank, inner = dist.get_rank(), unwrap(model)
-        record = {"rank": rank, "coords": dims.coords(rank), "strategy": plan["kind"], "zero": plan["zero"],
-                  "hybrid": plan["hybrid"], "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
-                  "params": describe_params(inner), "comm": meter.rows,
-                  "comm_debug_counts": meter.debug_counts, "comm_unmetered": meter.unmetered, "device": str(device), **out}
-        if plan["kind"] == "zero1":
-            record["optimizer_params"] = owned_parameters(optimizer, inner)
-        return record
-    finally:
-        destroy_mesh_groups(mesh, *extra)
+    def rows(self) -> dict[str, Any]:
+        """The measured part of the record (memory, comm rows, the meter's checks, step seconds)."""
+        rows = self.meter.rows
+        return {"memory": dict(self.memory), "comm": rows, "comm_debug_counts": dict(self.debug_counts),
+                "comm_unmetered": unmetered(self.debug_counts, rows), "step_seconds": self.seconds}
 
 
 class _CollectiveMeter(CommMeter):
@@ -164,68 +127,71 @@ class _CollectiveMeter(CommMeter):
         self.debug_counts, self.unmetered = {}, {}
 
 
-def meter_stage_sends(stage, meter: CommMeter) -> None:
-    """Count every stage-boundary send of ``stage`` into ``meter`` (op "send", group size 2).
+@contextlib.contextmanager
+def meter_stage_sends(stages: list, meter: CommMeter) -> Iterator[None]:
+    """Count every stage-boundary send of ``stages`` into ``meter`` (op "send", group size 2) in the body.
 
-    Wraps the instance's ``get_fwd_send_ops`` (activations to the next stage) and
+    Wraps each instance's ``get_fwd_send_ops`` (activations to the next stage) and
     ``get_bwd_send_ops`` (input gradients to the previous one): the payload is each
-    op's tensor, (b, T, C) here. Time is not known at that point and is left 0.
+    op's tensor, (b, T, C) here. Time is not known at that point and is left 0. The
+    wrappers are instance attributes, dropped again on exit.
     """
-    for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
-        original = getattr(stage, name)
-
-        def wrapped(chunk_id: int, _original=original) -> list:
-            ops = _original(chunk_id)
+    def counting(original: Any) -> Any:
+        def wrapped(chunk_id: int, *args: Any, **kwargs: Any) -> list:
+            ops = original(chunk_id, *args, **kwargs)
             for op in ops:
                 meter.record("send", 2, op.tensor.numel() * op.tensor.element_size(), 0.0, "pipeline")
             return ops
-        setattr(stage, name, wrapped)
+        return wrapped
+
+    names = ("get_fwd_send_ops", "get_bwd_send_ops")
+    for stage in stages:
+        for name in names:
+            setattr(stage, name, counting(getattr(stage, name)))
+    try:
+        yield
+    finally:
+        for stage in stages:
+            for name in names:
+                stage.__dict__.pop(name, None)
 
 
-def measure_pipeline(cfg: dict[str, Any], dims: ParallelDims, mesh, device: torch.device,
-                     extra: list) -> dict[str, Any]:
-    """pp > 1: this rank's stages as training builds them; model states at rest, comm over the last step."""
-    plan = layout_plan(cfg, dims)
-    if plan["hybrid"]:
-        extra.append(build_hsdp_mesh(dims, plan["replicate"], device.type))
-    schedule = cfg.get("schedule", "1f1b")
-    per_rank = int(cfg.get("virtual_stages") or (1 if schedule in pipeline.SINGLE_STAGE else 2))
-    m = int(cfg.get("microbatches") or dims.pp)
-    transform = functools.partial(parallelize, cfg=cfg, dims=dims, mesh=mesh, plan=plan,
-                                  dp_mesh=extra[0] if extra else None)
-    runtime = pipeline.build_pipeline(model_config(cfg), schedule, pp_rank(mesh), dims.pp, per_rank, m,
-                                      pp_group(mesh), device, loss_fn, model_transform=transform)
-    stack = nn.ModuleList(runtime.modules)  # this rank's stages as one module
-    settings, data = run_settings(cfg), dataset(cfg)
-    optimizer = (apply_zero1(stack, dims, mesh, **adamw_kwargs(settings)) if plan["kind"] == "zero1"
-                 else torch.optim.AdamW(stack.parameters(), **adamw_kwargs(settings)))
-    meter, steps = _CollectiveMeter(), max(1, int(cfg.get("steps", 2)))
-    for step in range(steps):
-        inputs, targets = data.global_batch(step, settings["global_batch"])  # (B, T)
-        inputs, targets = shard_batch(inputs, targets, dp_rank(mesh), dims.dp)  # (B/dp, T)
-        if step == steps - 1:
-            for stage in runtime.stages:
-                meter_stage_sends(stage, meter)
-        start = time.perf_counter()
-        with meter.active() if step == steps - 1 else _nothing():
-            pipeline.pipeline_step(runtime, inputs, targets)
-            if plan["kind"] in ("allreduce", "zero1") and dims.dp > 1:
-                average_gradients(stack, dp_group(mesh))  # one all_reduce per gradient, as training does
-            optimizer.step()
-        seconds = time.perf_counter() - start
-        rest = snapshot(stack, optimizer, "at_rest", None, device)
-        optimizer.zero_grad(set_to_none=False)
-    rank = dist.get_rank()
-    record = {"rank": rank, "coords": dims.coords(rank), "strategy": plan["kind"], "zero": plan["zero"],
-              "hybrid": plan["hybrid"], "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
-              "params": {k: v for mod in runtime.modules for k, v in describe_params(mod).items()},
-              "stage_ids": list(runtime.stage_ids), "num_stages": runtime.num_stages, "microbatches": m,
-              "micro_batch": settings["global_batch"] // (dims.dp * m), "memory": {"at_rest": rest},
-              "comm": meter.rows, "comm_debug_counts": meter.debug_counts, "comm_unmetered": meter.unmetered,
-              "step_seconds": seconds, "loss": None, "device": str(device)}
-    if plan["kind"] == "zero1":  # ModuleList names are "<index>.<parameter name>"
-        record["optimizer_params"] = [n.split(".", 1)[1] for n in owned_parameters(optimizer, stack)]
-    return record
+class PipelineProbe(StepProbe):
+    """pp > 1: this rank's stages (``model`` = their ModuleList); at rest only, p2p counted at the stages."""
+
+    def __init__(self, model: nn.Module, optimizer, device: torch.device, stages: list) -> None:
+        super().__init__(model, optimizer, device, _CollectiveMeter())
+        self.stages = stages
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Meter the whole schedule step, dp gradient reduction and optimizer step (one session)."""
+        with meter_stage_sends(self.stages, self.meter), self.metered():
+            yield
+
+
+def step_probe(cfg: dict[str, Any], model: nn.Module, optimizer, device: torch.device) -> StepProbe | None:
+    """A StepProbe when ``cfg["measure"]`` is on (DDP rerouted so its buckets are seen), else None."""
+    if not cfg.get("measure"):
+        return None
+    if isinstance(model, DDP):
+        route_ddp_through_python(model)  # before the first backward
+    return StepProbe(model, optimizer, device)
+
+
+def measure_record(layout: dict[str, Any], dims: Any, device: torch.device, probe: StepProbe,
+                   **extra: Any) -> dict[str, Any]:
+    """The record (module docstring): this rank's layout record, the mesh sizes and what ``probe`` measured."""
+    return {**layout, "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}, "device": str(device),
+            **extra, **probe.rows()}
+
+
+def measure_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train the layout ``cfg`` names for ``cfg["steps"]`` (default 2) steps, probe the last; returns the record."""
+    from kernels.train import train_rank  # kernels.train imports this module lazily too
+    run = {**cfg, "measure": True, "trace": False, "return_params": False, "record_grad_norm": False,
+           "steps": max(1, int(cfg.get("steps", 2)))}
+    return train_rank(run)["measure"]
 
 
 def _main() -> None:

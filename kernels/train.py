@@ -26,12 +26,15 @@ loss_parallel, activation_checkpointing, mixed_precision, cpu_offload,
 microbatches, schedule, virtual_stages (pp only); global_batch, steps, lr,
 weight_decay, betas, eps, seed; return_params, record_grad_norm (both default
 True); world_size (default: every rank) trains on the first world_size ranks only,
-the others join the mesh's group creation and return an idle record.
+the others join the mesh's group creation and return an idle record. Off by default (then
+nothing is installed): measure (probe the last step, ``kernels.measure``); pp only: trace,
+synthetic_forward_s, ranks_per_host, align_rounds (trace the last step, ``kernels.train_pipeline``).
 
 Records: losses and grad_norms (global, the same on every rank), step_times (this
 rank's), layout (coords, strategy, per-parameter global/local shapes and
 placements; with pp also stage_ids and stage_layers) and params (this rank's
-parameters gathered whole, by name: every parameter, or with pp its stages').
+parameters gathered whole, by name: every parameter, or with pp its stages');
+with measure, measure (``kernels.measure``'s record); with trace, trace (events).
 
 Run alone (prints the losses beside the one-process reference)::
 
@@ -40,6 +43,7 @@ Run alone (prints the losses beside the one-process reference)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 import warnings
@@ -54,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels.data import microbatches, shard_batch
 from kernels.data_parallel import apply_ddp, sync_gradients, unwrap
 from kernels.fsdp import apply_fsdp, describe_params, full_parameters
+from kernels.measure import measure_record, step_probe
 from kernels.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, default_replicate, destroy_mesh_groups,
                           dp_group, dp_rank, dp_world_size)
 from kernels.model import build_gpt, loss_fn
@@ -67,9 +72,8 @@ _FSDP_ZERO = {"grad_op": 2, "full": 3, "hybrid": 3}
 def apply_ac(model: nn.Module, dims: ParallelDims | None = None) -> nn.Module:
     """Recompute each block in backward (``torch.utils.checkpoint``, non-reentrant).
 
-    The block's own ``forward`` is replaced, not wrapped in a new module, so parameter
-    names (and checkpoints) stay the same with and without AC. ``dims`` is unused:
-    it is accepted for the ``apply_<technique>(model, dims)`` convention.
+    The block's own ``forward`` is replaced, not wrapped in a new module, so parameter names (and
+    checkpoints) stay the same with and without AC. ``dims`` is unused (the ``apply_<x>`` convention).
     """
     for block in model.blocks.values():
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -145,8 +149,7 @@ def parallelize(model: nn.Module, cfg: dict[str, Any], dims: ParallelDims, mesh,
 def build_layout(cfg: dict[str, Any], dims: ParallelDims, mesh, device: torch.device, dp_mesh=None):
     """Build the model on ``device`` and apply TP -> AC -> FSDP/DDP; returns (model, optimizer, plan, meshes).
 
-    A hybrid plan needs the HSDP mesh: pass it as ``dp_mesh`` (``hsdp_mesh``), or it
-    is built here and returned in ``meshes`` for the caller to destroy.
+    A hybrid plan needs the HSDP mesh: pass it as ``dp_mesh``, or it is built here and returned in ``meshes`` for the caller to destroy.
     """
     plan = layout_plan(cfg, dims)
     settings = run_settings(cfg)
@@ -158,42 +161,42 @@ def build_layout(cfg: dict[str, Any], dims: ParallelDims, mesh, device: torch.de
     parallelize(model, cfg, dims, mesh, plan, dp_mesh)
     if plan["kind"] in ("ddp", "zero1") and dims.dp > 1:
         model = apply_ddp(model, dims, mesh)
-    if plan["kind"] == "zero1":
-        optimizer = apply_zero1(unwrap(model), dims, mesh, **adamw_kwargs(settings))
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(settings))
+    optimizer = (apply_zero1(unwrap(model), dims, mesh, **adamw_kwargs(settings)) if plan["kind"] == "zero1"
+                 else torch.optim.AdamW(model.parameters(), **adamw_kwargs(settings)))
     return model, optimizer, plan, extra_meshes
 
 
-def hsdp_mesh(cfg: dict[str, Any], dims: ParallelDims, device_type: str):
-    """The 2D (dp_replicate, dp_shard) mesh a hybrid plan needs, else None (collective: call on every rank)."""
-    plan = layout_plan(cfg, dims)
-    return build_hsdp_mesh(dims, plan["replicate"], device_type) if plan["hybrid"] else None
-
-
 def train_steps(model: nn.Module, optimizer, cfg: dict[str, Any], dims: ParallelDims, mesh,
-                device: torch.device) -> tuple[list[float], list[float]]:
-    """Run the optimizer steps on this rank's dp shard; returns (global mean losses, step seconds, grad norms)."""
-    settings = run_settings(cfg)
-    data = dataset(cfg)
+                device: torch.device, probe=None) -> tuple[list[float], list[float], list[float]]:
+    """Run the optimizer steps on this rank's dp shard; returns (global mean losses, step seconds, grad norms).
+
+    ``probe`` (``kernels.measure.StepProbe``) watches the last step (comm over it; memory after the last
+    forward and at rest); with it, gradients are zeroed in place: their buffers exist at the peak.
+    """
+    settings, data = run_settings(cfg), dataset(cfg)
     n_micro = int(cfg.get("microbatches") or 1)
     lp = bool(cfg.get("loss_parallel")) and dims.tp > 1
     losses, times, norms = [], [], []
     for step in range(settings["steps"]):
+        watch = probe if step == settings["steps"] - 1 else None
         inputs, targets = data.global_batch(step, settings["global_batch"])  # (B, T) each
         inputs, targets = shard_batch(inputs, targets, dp_rank(mesh), dp_world_size(mesh))  # (B/dp, T)
-        start = time.perf_counter()
-        local = torch.zeros((), device=device)
+        start, local = time.perf_counter(), torch.zeros((), device=device)
         pairs = list(zip(microbatches(inputs, n_micro), microbatches(targets, n_micro)))
+        meter = watch.metered if watch else contextlib.nullcontext  # one session per part of the step
         for i, (x, y) in enumerate(pairs):
-            with sync_gradients(model, sync=i == len(pairs) - 1), loss_context(lp):
-                loss = loss_fn(model(x.to(device)), y.to(device)) / n_micro  # mean over this shard's tokens
+            with sync_gradients(model, sync=i == len(pairs) - 1), loss_context(lp), meter():
+                with watch.forward() if watch and i == len(pairs) - 1 else contextlib.nullcontext():
+                    loss = loss_fn(model(x.to(device)), y.to(device)) / n_micro  # mean over this shard's tokens
                 loss.backward()
             local += _local_value(loss.detach())
-        if cfg.get("record_grad_norm", True):
+        with meter():
+            optimizer.step()
+        if watch:
+            watch.at_rest()
+        if cfg.get("record_grad_norm", True):  # step() leaves .grad alone; here it is outside the meter
             norms.append(grad_norm(model))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=probe is None)
         times.append(time.perf_counter() - start)
         # Reporting only: forward all_reduce(SUM) of the shard means over dp, then / dp.
         dist.all_reduce(local, group=dp_group(mesh))
@@ -204,9 +207,8 @@ def train_steps(model: nn.Module, optimizer, cfg: dict[str, Any], dims: Parallel
 def grad_norm(model: nn.Module) -> float:
     """The L2 norm of the whole (dp-averaged) gradient, as one process would compute it.
 
-    For a DTensor gradient the norm is a partial value per shard: ``full_tensor()``
-    all_reduces it over the gradient's mesh (one scalar per parameter). Plain
-    gradients are whole (DDP) or identical on every tp rank (replicated parameters).
+    A DTensor gradient's norm is partial per shard: ``full_tensor()`` all_reduces it over the gradient's
+    mesh (one scalar per parameter). Plain gradients are whole (DDP) or the same on every tp rank.
     """
     total = 0.0
     for p in model.parameters():
@@ -223,12 +225,6 @@ def _local_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train under the layout ``cfg`` names; returns plain records (see module docstring).
 
@@ -236,10 +232,11 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     mesh sub-groups, so runs on a warm pool leave only the default group behind.
     """
     dims = ParallelDims.from_config(cfg, cfg.get("world_size"))
-    device = _device()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # Group creation is collective over every rank of the process group, in the mesh or not.
     mesh = build_mesh(dims, device.type)
-    dp_mesh = hsdp_mesh(cfg, dims, device.type)
+    plan = layout_plan(cfg, dims)  # a hybrid plan needs the 2D (dp_replicate, dp_shard) mesh
+    dp_mesh = build_hsdp_mesh(dims, plan["replicate"], device.type) if plan["hybrid"] else None
     try:
         if mesh.get_coordinate() is None:  # beyond world_size: no part in this run
             return {"losses": [], "grad_norms": [], "step_times": [], "params": {},
@@ -248,16 +245,20 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             from kernels.train_pipeline import train_pipeline  # imports this module: only needed for pp > 1
             return train_pipeline(cfg, dims, mesh, device, dp_mesh)
         model, optimizer, plan, _ = build_layout(cfg, dims, mesh, device, dp_mesh)
-        losses, times, norms = train_steps(model, optimizer, cfg, dims, mesh, device)
-        inner = unwrap(model)
-        rank = dist.get_rank()
+        probe = step_probe(cfg, model, optimizer, device)  # None unless cfg["measure"]
+        losses, times, norms = train_steps(model, optimizer, cfg, dims, mesh, device, probe)
+        inner, rank = unwrap(model), dist.get_rank()
         layout = {"rank": rank, "coords": dims.coords(rank), "strategy": plan["kind"], "zero": plan["zero"],
                   "hybrid": plan["hybrid"], "params": describe_params(inner)}
         if plan["kind"] == "zero1":
             layout["optimizer_params"] = owned_parameters(optimizer, inner)
         full = full_parameters(inner)  # collective for DTensors: every rank gathers
         params = {k: v.tolist() for k, v in full.items()} if cfg.get("return_params", True) else {}
-        return {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params}
+        out = {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params}
+        if probe is not None:  # the measured record beside the layout it measured
+            out["measure"] = measure_record(layout, dims, device, probe, loss=losses[-1],
+                                            microbatches=int(cfg.get("microbatches") or 1))
+        return out
     finally:
         destroy_mesh_groups(mesh, dp_mesh)
 

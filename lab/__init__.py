@@ -21,13 +21,13 @@ from lab.parallel import Parallel, ParallelConfigError  # noqa: E402
 from lab.planner import Plan, plan  # noqa: E402
 from lab.pool import connect, start  # noqa: E402
 from lab.recommend import recommend  # noqa: E402
-from lab.run_result import RunResult  # noqa: E402
+from lab.run_result import CommTable, NotRecordedError, RunResult  # noqa: E402
 
 GPT = GPTConfig  # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
 
 __all__ = [
-    "Cluster", "Controls", "DeadRankError", "DryRunReport", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
+    "Cluster", "CommTable", "Controls", "DeadRankError", "DryRunReport", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "NotRecordedError", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
     "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "bench_collectives", "build_rank_map", "connect", "dry_run", "plan",
     "recommend", "start",
 ]

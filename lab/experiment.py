@@ -4,10 +4,26 @@
 the world before anything runs (``Parallel.check``), then ``run()`` sends one config
 dict to ``kernels.train.train_rank`` on every rank and gathers plain records. The
 same config trains in one process with ``reference()``, which is the ground truth.
+
+Measuring options (all off by default; then the ranks install nothing and the run
+costs what it did):
+
+- ``trace=True`` (pipeline layouts, pp > 1): the last step is traced on clocks
+  aligned to rank 0 (``kernels.trace``): F/B/I/W per stage, p2p waits, the dp gradient
+  all-reduce and the optimizer step. The driver computes the bubble
+  (``lab.timeline.bubble_from_records``) and the planned order to overlay. Use
+  ``steps >= 2``: the first step also infers the p2p shapes.
+- ``synthetic_forward_s=t`` (needs trace): every action is padded to a fixed cost (F = t,
+  B = 2t per rank share, ``kernels.synthetic``), so the bubble can be compared with
+  theory. With real compute and more ranks than cores, the run's warnings say so.
+- ``measure=True``: the last step is probed (``kernels.measure``): memory per category
+  at rest and, without pp, between forward and backward; collectives per type. The
+  driver sets each value beside its prediction (``lab.measure``).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import warnings
 from typing import Any
@@ -16,8 +32,10 @@ from kernels.model import GPTConfig
 from kernels.reference import train_reference
 from kernels.train import train_rank
 from lab.cluster import Cluster
+from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel
 from lab.run_result import RunResult
+from lab.timeline import bubble_from_records, planned_orders
 
 OPTIMIZERS = ("adamw",)
 
@@ -27,16 +45,22 @@ class LayoutWarning(UserWarning):
 
 
 class Experiment:
-    """Train ``model`` under ``parallel`` on ``cluster``; see ``run()`` and ``reference()``."""
+    """Train ``model`` under ``parallel`` on ``cluster``; see ``run()`` and ``reference()``.
+
+    ``trace``, ``synthetic_forward_s`` and ``measure`` record what the run did (module docstring).
+    """
 
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
-                 steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0) -> None:
+                 steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
+                 synthetic_forward_s: float | None = None, measure: bool = False) -> None:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {optimizer!r} is not supported; choose one of {OPTIMIZERS}")
         if steps < 1 or global_batch < 1:
             raise ValueError(f"steps and global_batch must be positive, got steps={steps}, global_batch={global_batch}")
+        _check_measuring(parallel, trace, synthetic_forward_s)
         self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
+        self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.warnings = parallel.check(model, cluster.world_size, global_batch)
         for message in self.warnings:
             warnings.warn(message, LayoutWarning, stacklevel=2)
@@ -51,17 +75,21 @@ class Experiment:
             "schedule": p.schedule, "microbatches": p.num_microbatches, "virtual_stages": p.stages_per_rank,
             "sequence_parallel": p.sequence_parallel, "activation_checkpointing": p.activation_checkpointing,
             "mixed_precision": p.mixed_precision, "cpu_offload": p.cpu_offload, "return_params": return_params,
+            "trace": self.trace, "synthetic_forward_s": self.synthetic_forward_s, "measure": self.measure,
         }
 
     def run(self, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
         """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure."""
         cfg = self.config(return_params=return_params)
+        if self.trace:  # a rank cannot see how many engines share its host; the rank map can
+            cfg["ranks_per_host"] = _ranks_per_host(self.cluster)
         per_rank = self.cluster.run(train_rank, cfg, timeout=timeout)
+        found = measurements(per_rank, cfg)
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
             step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
-            warnings=list(self.warnings),
-            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {})
+            warnings=list(self.warnings) + found.pop("warnings"),
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {}, **found)
 
     def reference(self, *, return_params: bool = False) -> RunResult:
         """The same training in this process: same init, same global batch per step, same AdamW."""
@@ -73,3 +101,50 @@ class Experiment:
         return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),
                          step_times=[[per_step] * self.steps], layout=[{"rank": 0, "strategy": "reference"}],
                          params=params)
+
+
+def _check_measuring(parallel: Parallel, trace: bool, synthetic_forward_s: float | None) -> None:
+    """Refuse measuring options that would record nothing, before anything launches."""
+    if trace and parallel.pp < 2:
+        raise ValueError("trace=True times pipeline actions: it needs a pipeline layout (pp > 1)")
+    if synthetic_forward_s is not None and not trace:
+        raise ValueError("synthetic_forward_s pads traced pipeline actions: pass trace=True too")
+    if synthetic_forward_s is not None and synthetic_forward_s <= 0:
+        raise ValueError(f"synthetic_forward_s must be positive seconds, got {synthetic_forward_s}")
+
+
+def _ranks_per_host(cluster: Any) -> list[int] | None:
+    """For each rank, how many ranks share its host (None when the pool has no rank map)."""
+    rank_map = getattr(cluster, "rank_map", None)
+    if rank_map is None:
+        return None
+    hosts = rank_map.hosts()
+    return [len(hosts[r.host]) for r in rank_map.ranks]
+
+
+def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """RunResult's measured fields from the rank records, as JSON-plain data (so a saved run equals a live one).
+
+    Trace records give events, clock, planned and the bubble; measure records give memory
+    and comm rows with their predictions; both may add warnings (oversubscribed
+    real compute, synthetic actions whose real compute overran the target).
+    """
+    traces = [r["trace"] for r in per_rank if r.get("trace")]
+    probes = [r["measure"] for r in per_rank if r.get("measure")]
+    out: dict[str, Any] = {"events": [], "clock": [], "planned": [], "bubble": {}, "memory_records": [],
+                           "comm_records": [],
+                           "warnings": []}
+    if traces:
+        out["events"] = [e for t in traces for e in t["events"]]
+        out["clock"] = [t["clock"] for t in traces]
+        out["planned"] = planned_orders(traces)
+        out["bubble"] = bubble_from_records(traces).to_dict()
+        out["warnings"] = sorted({w for t in traces for w in t["warnings"]})
+        overruns = sum((t["synthetic_cost"] or {}).get("overruns", 0) for t in traces)
+        if overruns:
+            out["warnings"].append(f"synthetic cost: {overruns} actions' real compute overran their target, "
+                                   f"so those took longer than synthetic_forward_s implies")
+    if probes:
+        out["memory_records"] = [m.to_dict() for rec in probes for m in memory_records(rec)]
+        out["comm_records"] = [c.to_dict() for rec in probes for c in comm_records(rec, cfg)]
+    return json.loads(json.dumps(out))  # tuples become lists, as after a JSON round trip

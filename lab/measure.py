@@ -1,8 +1,9 @@
 """Measured memory and communication beside their predictions (issue "Measured, not drawn").
 
-The ranks run ``kernels.measure.measure_rank`` and return plain dicts; this module
-turns each into ``MemoryRecord``s and ``CommRecord``s with two predictions beside
-every measured value:
+The ranks run ``kernels.measure.measure_rank`` (or ``lab.Experiment(..., measure=True)``,
+the same probes on the run's last step) and return plain dicts; this module turns
+each into ``MemoryRecord``s and ``CommRecord``s with two predictions beside every
+measured value:
 
 - ``formula``: DESIGN §3's ZeRO reference (``plan_math.zero_memory``) for the dtypes
   held. In fp32 the parameters are the master copy: params 4Ψ, grads 4Ψ, AdamW
@@ -118,8 +119,12 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
         owned = table
     opt = sum(p["local"] * ADAM_K + STEP_BYTES for p in owned)
     peak_params = whole_params if stage == 2 else rest_params
+    # ZeRO-2 with gradient accumulation (no pp): FSDP2 keeps the earlier micro-batches' gradients
+    # unsharded (whole) until the last one reduce-scatters them, beside the sharded buffers.
+    accumulating = stage == 2 and record["dims"]["pp"] == 1 and int(record.get("microbatches", 1)) > 1
+    peak_grads = rest_params + (whole_params if accumulating else 0)
     return {"at_rest": {"params": rest_params, "grads": rest_params, "optimizer": opt},
-            "peak_fwd_bwd": {"params": peak_params, "grads": rest_params, "optimizer": opt}}
+            "peak_fwd_bwd": {"params": peak_params, "grads": peak_grads, "optimizer": opt}}
 
 
 def formula_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -179,7 +184,9 @@ def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, flo
         out["broadcast"] = grads  # every parameter, from its owner, after the step
     if record["strategy"] == "fsdp":
         padded = sum(p["padded"] * p["elem"] for p in table) * record["dims"]["dp"]
-        out["all_gather"] = padded * (2 if stage == 3 else 1)  # forward, and backward under ZeRO-3
+        # Without pp, gradient accumulation gathers again for every micro-batch (and reduce-scatters once).
+        m = int(record.get("microbatches", 1)) if record["dims"]["pp"] == 1 else 1
+        out["all_gather"] = padded * (2 if stage == 3 else 1) * m  # forward, and backward under ZeRO-3
         out["reduce_scatter"] = padded
     if record["dims"]["tp"] > 1 or record["dims"]["pp"] > 1:
         for e in _planned_stage(record, cfg).comm:

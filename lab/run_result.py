@@ -1,11 +1,23 @@
-"""What one training run measured, as plain data that can be saved and replayed without ranks."""
+"""What one training run measured, as plain data that can be saved and replayed without ranks.
+
+The views (``timeline``, ``memory``, ``comm``, ``sharding`` and the ``plot_*`` figures)
+are pure functions of these fields, so a ``RunResult`` read back from JSON shows
+exactly what the live one showed (DESIGN §2 "Views").
+"""
 from __future__ import annotations
 
+import html
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lab import timeline as _timeline
+
+
+class NotRecordedError(ValueError):
+    """A view needs data this run did not record (say which Experiment option records it)."""
 
 
 @dataclass(frozen=True)
@@ -14,7 +26,8 @@ class RunResult:
 
     ``layout[r]`` is rank r's own description: its mesh coordinates, the strategy,
     and for every parameter it holds the global and local shapes and placements.
-    ``params`` (only when asked for) maps rank -> {name: nested lists}.
+    ``params`` (only when asked for) maps rank -> {name: nested lists}. The measured
+    fields are empty unless the Experiment asked for them (``trace``, ``measure``).
     """
 
     config: dict[str, Any]  # the run config the ranks received (model, layout, training)
@@ -24,6 +37,15 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     params: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # trace=True (pp > 1): the last step, on clocks aligned to rank 0
+    events: list[dict[str, Any]] = field(default_factory=list)  # TraceEvent dicts of every rank, seconds
+    clock: list[dict[str, Any]] = field(default_factory=list)  # [rank] ClockSync dict: offset, uncertainty
+    planned: list[list[list]] = field(default_factory=list)  # [rank] [[stage, "F"|"B"|"I"|"W", micro-batch]]
+    bubble: dict[str, Any] = field(default_factory=dict)  # BubbleReport dict: measured idle beside theory
+    # measure=True: the last step's memory and collectives, each beside its prediction
+    # (named *_records: ``memory()`` and ``comm()`` are the views)
+    memory_records: list[dict[str, Any]] = field(default_factory=list)  # MemoryRecord dicts
+    comm_records: list[dict[str, Any]] = field(default_factory=list)  # CommRecord dicts
 
     @property
     def world_size(self) -> int:
@@ -47,6 +69,56 @@ class RunResult:
             rows.append(row)
         return "\n".join(rows)
 
+    # --- views: records in, widgets and figures out ----------------------------------------
+    def _need(self, name: str) -> None:
+        if not getattr(self, name):
+            option = "trace=True (a pipeline layout, pp > 1)" if name == "events" else "measure=True"
+            what = {"events": "trace events", "memory_records": "memory", "comm_records": "collectives"}[name]
+            raise NotRecordedError(f"this run recorded no {what}: pass {option} to lab.Experiment and run it again")
+
+    def _planned(self) -> dict[int, list]:
+        return {rank: acts for rank, acts in enumerate(self.planned) if acts}
+
+    def timeline(self):
+        """``widgets.PipelineTimeline`` of the traced step: lanes per rank, the bubble, the planned overlay."""
+        from widgets import PipelineTimeline
+        self._need("events")
+        return PipelineTimeline(self.events, self.bubble or None, self._planned())
+
+    def plot_timeline(self):
+        """The timeline as a matplotlib Figure (no widget needed)."""
+        from widgets import plot_timeline
+        self._need("events")
+        return plot_timeline(self.events, self.bubble or None)
+
+    def to_chrome_trace(self, path: str | Path | None = None) -> dict:
+        """Chrome/Perfetto trace JSON of the traced step, one track per rank; written to ``path`` if given."""
+        self._need("events")
+        return _timeline.to_chrome_trace(self.events, path)
+
+    def memory(self, moment: str = "at_rest"):
+        """``widgets.MemoryView``: per rank and category, measured beside predicted and the ZeRO formula."""
+        from widgets import MemoryView
+        self._need("memory_records")
+        return MemoryView(self.memory_records, moment)
+
+    def plot_memory(self, moment: str = "at_rest"):
+        """The memory view at ``moment`` as a matplotlib Figure."""
+        from widgets import plot_memory
+        self._need("memory_records")
+        return plot_memory(self.memory_records, moment)
+
+    def comm(self) -> CommTable:
+        """Per rank and collective type: count, bytes, seconds and busbw beside the analytic volume."""
+        self._need("comm_records")
+        return CommTable(sorted(self.comm_records, key=lambda r: (r["rank"], r["source"], r["op"])))
+
+    def sharding(self):
+        """``widgets.ShardingView`` of the layout every rank built."""
+        from widgets import ShardingView
+        return ShardingView(self.layout)
+
+    # --- JSON ------------------------------------------------------------------------------
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialise to JSON (and write it to ``path`` if given)."""
         text = json.dumps(asdict(self))
@@ -63,3 +135,31 @@ class RunResult:
         data = json.loads(text)
         data["params"] = {int(k): v for k, v in data.get("params", {}).items()}
         return cls(**data)
+
+
+_COLUMNS = (("rank", "rank", "{}"), ("op", "op", "{}"), ("source", "source", "{}"), ("n", "group_size", "{}"),
+            ("count", "count", "{}"), ("bytes", "payload_bytes", "{:,}"),
+            ("predicted", "predicted_payload_bytes", "{:,.0f}"), ("ms", "seconds", "{:.3f}"),
+            ("busbw GB/s", "busbw", "{:.3f}"))
+
+
+class CommTable(list):
+    """CommRecord dicts (a plain list) that print as a table: payload bytes beside the analytic volume.
+
+    ``ms`` is the summed time of the calls; busbw = payload / time × the nccl-tests factor (DESIGN §3).
+    """
+
+    def _cells(self) -> list[list[str]]:
+        scale = {"seconds": 1e3, "busbw": 1e-9}
+        return [[("-" if row.get(key) is None else fmt.format(row[key] * scale.get(key, 1)))
+                 for _, key, fmt in _COLUMNS] for row in self]
+
+    def __str__(self) -> str:
+        cells = [[name for name, _, _ in _COLUMNS]] + self._cells()
+        widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(name)}</th>" for name, _, _ in _COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self._cells())
+        return f"<table class='cl-comm-table'><tr>{head}</tr>{body}</table>"

@@ -11,7 +11,8 @@ Pure functions of records (no torch, no ranks), so a saved run replays the same.
   ``(p-1)/(v*m+p-1)``; and Megatron's bubble-to-ideal form ``(p-1)/m``, ``(p-1)/(v*m)``.
 - ``planned_order``: our own compute order for GPipe and 1F1B (torch 2.8-2.13's
   ``pipeline_order`` is wrong for these, DESIGN §4b). Multi-stage schedules use the
-  order torch plans, which the rank function returns as ``record["planned"]``.
+  order torch plans, which the rank function returns as ``record["planned"]``;
+  ``planned_orders`` picks one or the other for every rank of a run.
 - ``simulate``: when each action starts if it waits only for its rank and its data
   (zero-latency p2p), giving the planned timeline and its bubble.
 - ``to_chrome_trace``: Chrome/Perfetto JSON ("X" events, microseconds), one track per rank.
@@ -112,6 +113,23 @@ def planned_order(schedule: str, pp: int, microbatches: int, pp_rank: int) -> li
             order.append((s, "F", fwd))
             fwd += 1
     return order
+
+
+def planned_orders(records: Any) -> list[list[list]]:
+    """Per rank (index = rank) the planned compute order to overlay, as [[stage, letter, micro-batch], ...].
+
+    Ours for GPipe and 1F1B (``planned_order``, from each record's pp rank); torch's
+    ``record["planned"]`` for the other schedules ([] where torch has none).
+    """
+    recs = sorted(records.values() if isinstance(records, dict) else records, key=lambda r: r["rank"])
+    out: list[list[list]] = []
+    for rec in recs:
+        if rec["schedule"] in SINGLE_STAGE:
+            acts = planned_order(rec["schedule"], rec["pp"], rec["microbatches"], rec["pp_rank"])
+        else:
+            acts = rec.get("planned") or []
+        out.append([list(a) for a in acts])
+    return out
 
 
 def measured_order(events: Iterable[Any], rank: int, *, step: int | None = None) -> list[Action]:
