@@ -1,0 +1,71 @@
+"""Notebooks for tests/test_browser_views.py, written with nbformat into a test's tmp folder.
+
+- ``rank_views_notebook``: 4 CPU ranks run a traced 1F1B step (PP=4, synthetic costs), a ZeRO-3
+  experiment, the collectives and a memory measurement; every view is drawn from what they return.
+- ``perf_notebook``: no ranks; one PipelineTimeline of 8 ranks x 32 micro-batches x F/I/W, built
+  from records the test saved, shown three times (three renders), with its state size printed.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_notebook
+
+PP, MICROBATCHES, T_FORWARD = 4, 8, 0.02  # F = t, B = 2t: about 0.7 s per traced step
+RANKS_DONE = "rank views are ready"
+PERF_DONE = "perf views are ready"
+PERF_MARK = "widget state bytes:"  # the line the test parses: json {"state_bytes", "data_bytes"}
+PERF_RENDERS = 3
+
+RANK_CELLS = [
+    ("import warnings\nimport lab\nfrom kernels.collectives import run_collectives\n"
+     "from kernels.pipeline_trace import trace_pipeline_step\nfrom lab.measure import measure_layout\n"
+     "from lab.timeline import bubble_from_records, planned_order\n"
+     "from widgets import CollectiveView, MemoryView, PipelineTimeline, ShardingView\n"
+     "warnings.simplefilter('ignore', lab.OversubscribedWarning)  # 4 ranks on a 2-core machine\n"
+     "cluster = lab.start(n=4, backend='gloo', timeout=120)"),
+    (f"PP, M = {PP}, {MICROBATCHES}\n"
+     f"traced = cluster.run(trace_pipeline_step, {{'schedule': '1f1b', 'pp': PP, 'microbatches': M, "
+     f"'synthetic_forward_s': {T_FORWARD}}})\n"
+     "report = bubble_from_records(traced)\n"
+     "planned = {r: [list(a) for a in planned_order('1f1b', PP, M, r)] for r in range(PP)}\n"
+     "timeline = PipelineTimeline(traced, report, planned)\ntimeline"),
+    ("exp = lab.Experiment(cluster, lab.GPT(layers=2, d_model=16, heads=2, vocab=32, seq_len=8),\n"
+     "                     lab.Parallel(dp=4, zero=3), global_batch=8, steps=1)\n"
+     "result = exp.run()\nShardingView(result.layout)"),
+    "cluster.view()",
+    "CollectiveView(cluster.run(run_collectives))",
+    "MemoryView([r.to_dict() for r in measure_layout(cluster, exp.config())['memory']])",
+    f"cluster.stop()\nprint({RANKS_DONE!r})",
+]
+
+PERF_CELLS = [
+    ("import json\nfrom widgets import PipelineTimeline\nsaved = json.load(open('perf.json'))\n"
+     "timeline = PipelineTimeline(saved['events'], saved['bubble'], saved['planned'])\n"
+     "state = timeline.get_state()  # what the comm's open message carries, ESM and CSS included\n"
+     "data = {k: state[k] for k in ('ranks', 'events', 'planned', 'plan_match', 'mean_ms', 'span_ms', 'bubble')}\n"
+     f"print({PERF_MARK!r}, json.dumps({{'state_bytes': len(json.dumps(state)), "
+     "'data_bytes': len(json.dumps(data))}))"),
+    *["timeline"] * PERF_RENDERS,  # each display is a new view: one more render of the same state
+    f"print({PERF_DONE!r})",
+]
+
+def _write(cells: list[str], path: Path) -> Path:
+    nb = new_notebook(cells=[new_code_cell(src) for src in cells], metadata={
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
+    return path
+
+
+def rank_views_notebook(tmp_path: Path) -> Path:
+    return _write(RANK_CELLS, tmp_path / "src" / "rank_views.ipynb")
+
+
+def perf_notebook(tmp_path: Path, saved: dict) -> Path:
+    """``saved``: {events, bubble, planned}, written beside the notebook's copy (the kernel's cwd)."""
+    (tmp_path / "perf.json").write_text(json.dumps(saved))
+    return _write(PERF_CELLS, tmp_path / "src" / "timeline_perf.ipynb")
