@@ -5,29 +5,50 @@ Start here::
     import lab
     cluster = lab.start()        # one rank per GPU (NCCL), or 4 CPU ranks (gloo)
     cluster.run(fn, *args)       # runs fn on every rank; results indexed by rank
+
+Names are imported on first use: engines unpickle functions by importing the module
+that defined them, and a script that does ``import lab`` must not make every engine
+import widgets, the planner and DTensor before its first call can run.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from lab._shadow_guard import check_own_packages
 
 check_own_packages()
 
-from lab.bench import bench_collectives  # noqa: E402
-from lab.cluster import Cluster, OversubscribedWarning  # noqa: E402
-from lab.controls import Controls  # noqa: E402
-from kernels.model import GPTConfig  # noqa: E402
-from lab.dry_run import DryRunReport, dry_run  # noqa: E402
-from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError  # noqa: E402
-from lab.experiment import Experiment, LayoutWarning  # noqa: E402
-from lab.parallel import Parallel, ParallelConfigError  # noqa: E402
-from lab.planner import Plan, plan  # noqa: E402
-from lab.pool import connect, start  # noqa: E402
-from lab.recommend import recommend  # noqa: E402
-from lab.run_result import CommTable, NotRecordedError, RunResult  # noqa: E402
+_HOME = {
+    "bench_collectives": "lab.bench",
+    "Cluster": "lab.cluster", "OversubscribedWarning": "lab.cluster",
+    "Controls": "lab.controls",
+    "GPTConfig": "kernels.model",
+    "DryRunReport": "lab.dry_run", "dry_run": "lab.dry_run",
+    "DeadRankError": "lab.errors", "LabError": "lab.errors", "PoolStoppedError": "lab.errors",
+    "RankError": "lab.errors", "RankTimeoutError": "lab.errors",
+    "Experiment": "lab.experiment", "LayoutWarning": "lab.experiment",
+    "Parallel": "lab.parallel", "ParallelConfigError": "lab.parallel",
+    "Plan": "lab.planner", "plan": "lab.planner",
+    "connect": "lab.pool", "start": "lab.pool",
+    "recommend": "lab.recommend",
+    "CommTable": "lab.run_result", "NotRecordedError": "lab.run_result", "RunResult": "lab.run_result",
+    "RankMapError": "lab.rank_map", "build_rank_map": "lab.rank_map",
+}
+# lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
+_ALIASES = {"GPT": "GPTConfig"}
 
-GPT = GPTConfig  # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
-from lab.rank_map import RankMapError, build_rank_map  # noqa: E402
+__all__ = sorted([*_HOME, *_ALIASES])
 
-__all__ = [
-    "Cluster", "CommTable", "Controls", "DeadRankError", "DryRunReport", "Experiment", "GPT", "GPTConfig", "LayoutWarning", "NotRecordedError", "RunResult", "LabError", "OversubscribedWarning", "Parallel", "ParallelConfigError", "Plan",
-    "PoolStoppedError", "RankError", "RankMapError", "RankTimeoutError", "bench_collectives", "build_rank_map", "connect", "dry_run", "plan",
-    "recommend", "start",
-]
+
+def __getattr__(name: str) -> Any:
+    target = _ALIASES.get(name, name)
+    if target not in _HOME:
+        raise AttributeError(f"module 'lab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[target]), target)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

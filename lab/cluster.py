@@ -293,6 +293,13 @@ class Cluster:
             interrupted = set(out.pending)
             self._signal_ranks(interrupted, signal.SIGINT)
             wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
+        # ipyparallel may fail a killed engine's task (EngineError) before its heartbeat
+        # unregisters it, so the death shows up only now: count it as a death, not an error.
+        for rank in range(self.world_size):
+            if rank not in out.dead and self._is_dead(rank):
+                out.errors.pop(rank, None)
+                out.pending.pop(rank, None)
+                out.dead.add(rank)
         self._dead |= out.dead
         if out.pending and self._source.owned:
             self._kill_leftovers({self._rank_map.ranks[r].pid for r in out.pending})
