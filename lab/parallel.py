@@ -42,7 +42,7 @@ RULES = {
     "tp-d-model": "d_model must be divisible by tp",
     "tp-d-ff": "d_ff must be divisible by tp",
     "pp-layers": "layers must be divisible by the number of stages pp * virtual_stages",
-    "pp-microbatches": "microbatches must be at least pp",
+    "pp-microbatches": "microbatches must be at least pp (gpipe with 1 is naive model parallelism)",
     "unknown-schedule": "the schedule must be one of SCHEDULES",
     "single-stage-schedule": "gpipe and 1f1b run exactly one stage per rank (virtual_stages == 1)",
     "1f1b-microbatches": "Schedule1F1B needs microbatches >= the number of stages",
@@ -160,8 +160,10 @@ class Parallel:
     def _schedule_problems(self) -> list[tuple[str, str]]:
         p, v, m, s = self.pp, self.stages_per_rank, self.num_microbatches, self.schedule
         out = []
-        if m < p:
-            out.append(("pp-microbatches", f"microbatches={m} must be at least pp={p}"))
+        # One micro-batch through GPipe is naive model parallelism: allowed, with a warning, to teach the bubble.
+        if m < p and not (s == "gpipe" and m == 1):
+            out.append(("pp-microbatches", f"microbatches={m} must be at least pp={p} "
+                        "(or exactly 1 with gpipe: naive model parallelism)"))
         if s in SINGLE_STAGE_SCHEDULES and v != 1:
             out.append(("single-stage-schedule", f"{s} runs one stage per rank, got virtual_stages={v}"))
         if s == "1f1b" and m < self.num_stages:
@@ -237,6 +239,9 @@ class Parallel:
         if self.fsdp_strategy == "hybrid" and all(self.dp % k for k in range(2, self.dp)):
             out.append(f"hybrid with dp={self.dp}: no split into replicate x shard with both >= 2, "
                        "so it equals plain replication or full sharding")
+        if self.pp > 1 and self.schedule == "gpipe" and self.num_microbatches == 1:
+            out.append(f"one micro-batch on pp={self.pp} is naive model parallelism: one rank works at a time, "
+                       f"the bubble is (p-1)/p = {(self.pp - 1) / self.pp:.0%}")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel has no effect with tp=1")
         if self.pp == 1 and (self.schedule != "1f1b" or self.stages_per_rank > 1):

@@ -102,6 +102,7 @@ VALID = [
     dict(dp=2, fsdp_strategy="no_shard"),
     dict(dp=2, tp=2, zero=3),
     dict(pp=4, schedule="gpipe", microbatches=4),
+    dict(pp=4, schedule="gpipe", microbatches=1),  # naive model parallelism (warned, not refused)
     dict(pp=2, schedule="interleaved_1f1b", microbatches=4),
     dict(pp=4, schedule="interleaved_1f1b", virtual_stages=2, microbatches=6),  # 1 round of 6
     dict(pp=2, schedule="interleaved_zero_bubble", microbatches=2),
@@ -139,6 +140,7 @@ def test_defaults_resolve_from_the_schedule(fields, resolved):
     (dict(dp=2, fsdp_strategy="hybrid"), "hybrid with dp=2"),
     (dict(sequence_parallel=True), "sequence_parallel"),
     (dict(schedule="zbv"), "pp=1"),
+    (dict(pp=4, schedule="gpipe", microbatches=1), "naive model parallelism"),
 ])
 def test_wasteful_layouts_warn(fields, needle):
     warnings = _check(fields)
