@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from kernels.data import microbatches, shard_batch
@@ -207,16 +207,31 @@ def train_steps(model: nn.Module, optimizer, cfg: dict[str, Any], dims: Parallel
 def grad_norm(model: nn.Module) -> float:
     """The L2 norm of the whole (dp-averaged) gradient, as one process would compute it.
 
-    A DTensor gradient's norm is partial per shard: ``full_tensor()`` all_reduces it over the gradient's
-    mesh (one scalar per parameter). Plain gradients are whole (DDP) or the same on every tp rank.
+    Sums of squares are taken on local shards and all-reduced once per (mesh, sharded mesh dims)
+    group, not once per parameter: ``torch.nn.utils.get_total_norm`` cannot stack norms from the
+    different meshes FSDP x TP leaves (dp-only for norms, (dp, tp) for the rest), and a
+    ``full_tensor()`` per parameter costs a collective each. Replicated dims are not summed (every
+    rank there holds the same values); a Partial gradient is reduced first, as squares of a sum
+    are not sums of squares. Plain gradients are whole (DDP) or the same on every tp rank.
     """
-    total = 0.0
+    total, groups = 0.0, {}
     for p in model.parameters():
-        if p.grad is None:
+        g = p.grad
+        if g is None:
             continue
-        norm = torch.linalg.vector_norm(p.grad.float() if not isinstance(p.grad, DTensor) else p.grad)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total += float(norm) ** 2
+        if not isinstance(g, DTensor):
+            total += float(g.double().pow(2).sum())
+            continue
+        if any(pl.is_partial() for pl in g.placements):
+            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+        dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
+        mesh, squares = groups.get((id(g.device_mesh), dims), (g.device_mesh, 0.0))
+        groups[(id(mesh), dims)] = (mesh, squares + g.to_local().double().pow(2).sum())
+    # Every rank of a group holds the same modules, so each meets the groups in the same order.
+    for (_, dims), (mesh, squares) in groups.items():
+        for d in dims:
+            dist.all_reduce(squares, group=mesh.get_group(d))
+        total += float(squares)
     return total ** 0.5
 
 
@@ -252,8 +267,9 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                   "hybrid": plan["hybrid"], "params": describe_params(inner)}
         if plan["kind"] == "zero1":
             layout["optimizer_params"] = owned_parameters(optimizer, inner)
-        full = full_parameters(inner)  # collective for DTensors: every rank gathers
-        params = {k: v.tolist() for k, v in full.items()} if cfg.get("return_params", True) else {}
+        # full_parameters is collective for DTensors: every rank gathers, or none does.
+        params = ({k: v.tolist() for k, v in full_parameters(inner).items()} if cfg.get("return_params", True)
+                  else {})
         out = {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params}
         if probe is not None:  # the measured record beside the layout it measured
             out["measure"] = measure_record(layout, dims, device, probe, loss=losses[-1],
