@@ -80,16 +80,21 @@ def outer_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` (a whole kernels.model.GPT) over the 1D ``tp_mesh`` in place."""
+    """Shard ``model`` (a whole kernels.model.GPT) over the 1D ``tp_mesh`` in place.
+
+    Every tp rank must hold the same weights (``kernels.model.build_gpt`` from one seed).
+    """
     tp = tp_mesh.size()
     cfg = model.config
     sizes = {"heads": cfg.heads, "d_ff": cfg.d_ff, "vocab": cfg.vocab, "seq_len": cfg.seq_len}
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ValueError(f"apply_tp: {', '.join(bad)} must be divisible by tp={tp}")
+    # Every rank built the same weights from the seed, so each slices its shard locally
+    # (src_data_rank=None) instead of receiving it from rank 0: no collective per weight.
     for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-    parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel))
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel), src_data_rank=None)
+    parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel), src_data_rank=None)
     return model
 
 
