@@ -54,3 +54,13 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest" in readme and "python -m pytest" in ci.splitlines()[-1]
     assert ci.index("torch==2.13.0") < ci.index('-e ".[test]"')
+
+
+def test_import_lab_imports_nothing_heavy_until_a_name_is_used():
+    # Engines import the module of every function they run; a module that does `import lab`
+    # must not make them import torch, widgets or the planner.
+    code = ("import sys, lab; "
+            "heavy = [m for m in ('torch', 'ipywidgets', 'widgets', 'lab.planner') if m in sys.modules]; "
+            "assert not heavy, heavy; lab.Parallel; assert 'lab.parallel' in sys.modules; "
+            "assert set(lab.__all__) <= set(dir(lab)); lab.GPT(layers=1)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
