@@ -123,13 +123,16 @@ class CommMeter:
         self.record(op, dist.get_world_size(group) if op not in ("send", "recv") else 2,
                     payload(a), seconds, "dist")
 
+    def _dist_names(self) -> list[str]:
+        """The ``torch.distributed`` attributes ``patch_dist`` wraps."""
+        return [n for n in (*_DIST_OPS, "batch_isend_irecv") if hasattr(dist, n)]
+
     @contextlib.contextmanager
     def patch_dist(self) -> Iterator["CommMeter"]:
         """Wrap the ``torch.distributed`` collectives (namespace attributes) while active."""
-        names = [n for n in (*_DIST_OPS, "batch_isend_irecv") if hasattr(dist, n)]
-        originals = {n: getattr(dist, n) for n in names}
-        for n in names:
-            setattr(dist, n, self._wrap(n, originals[n]))
+        originals = {n: getattr(dist, n) for n in self._dist_names()}
+        for n, fn in originals.items():
+            setattr(dist, n, self._wrap(n, fn))
         try:
             yield self
         finally:

@@ -113,17 +113,13 @@ class _CollectiveMeter(CommMeter):
     (IndexError in ``_fw_set_module_hook``), so TP inside a pipeline goes unmetered here.
     """
 
+    def _dist_names(self) -> list[str]:
+        return [n for n in _DIST_OPS if n not in _P2P and hasattr(dist, n)]
+
     @contextlib.contextmanager
     def active(self):
-        names = [n for n in _DIST_OPS if n not in _P2P and hasattr(dist, n)]
-        originals = {n: getattr(dist, n) for n in names}
-        for n in names:
-            setattr(dist, n, self._wrap(n, originals[n]))
-        try:
+        with self.patch_dist():
             yield self
-        finally:
-            for n, fn in originals.items():
-                setattr(dist, n, fn)
         self.debug_counts, self.unmetered = {}, {}
 
 
