@@ -11,17 +11,11 @@ t = 80 ms measured +0.4 to +1.5 pp, and the module runs in about 80 s.
 """
 from __future__ import annotations
 
-import queue as queue_mod
-import traceback
-from datetime import timedelta
-
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels.pipeline_trace import trace_pipeline_step
 from lab.timeline import bubble_from_records
+from tests.spawned_ranks import pooled_runner
 
 WORLD = 4
 T_FORWARD = 0.08  # seconds; see the module docstring
@@ -30,84 +24,11 @@ T_ZERO_BUBBLE = 0.04  # zero bubble vs 1F1B differ by ~20 pp; a shorter t keeps 
 # 40 ms, so the per-hop overhead (twice as many hops) weighs the same as in 1F1B.
 T_INTERLEAVED = 2 * T_FORWARD
 TOLERANCE = 0.03  # ±3 percentage points, the issue's acceptance bound
-RESULT_TIMEOUT_S = 120
-
-
-def _rank_loop(rank: int, world: int, tasks, results) -> None:
-    """A pool worker: for each (port, cfg), join a fresh gloo world, trace, report."""
-    torch.set_num_threads(1)  # ranks share two cores with each other and other jobs
-    while (task := tasks.get()) is not None:
-        port, cfg = task
-        try:
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=60))
-            results.put((rank, "ok", trace_pipeline_step(cfg)))
-        except BaseException:
-            results.put((rank, "error", traceback.format_exc()))
-        finally:
-            if dist.is_initialized():  # closing our connections makes blocked peers fail at once
-                dist.destroy_process_group()
-
-
-class RankPool:
-    """``world`` spawned ranks reused across cases, as tests/test_pipeline_kernel.py does:
-    importing torch costs seconds of CPU per process. A failure kills the pool."""
-
-    def __init__(self, world: int = WORLD) -> None:
-        ctx = mp.get_context("spawn")
-        self.world, self.results = world, ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_rank_loop, args=(r, world, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
-        for proc in self.procs:
-            proc.start()
-
-    def run(self, cfg: dict) -> tuple[dict[int, dict], list[str]]:
-        store = dist.TCPStore("127.0.0.1", 0, self.world + 1, is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=60))
-        for q in self.tasks:
-            q.put((store.port, cfg))
-        out, errors = {}, []
-        try:
-            for _ in range(self.world):
-                rank, status, payload = self.results.get(timeout=RESULT_TIMEOUT_S)
-                if status != "ok":
-                    errors.append(f"rank {rank}:\n{payload}")
-                    break
-                out[rank] = payload
-        except queue_mod.Empty:
-            errors.append(f"no result within {RESULT_TIMEOUT_S} s (hung schedule?)")
-        return out, errors
-
-    def close(self, kill: bool = False) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=0 if kill else 2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
 
 
 def rank_runner():
-    """Generator behind the ``trace_ranks`` fixtures: ``run(cfg) -> records by rank``."""
-    pools: list[RankPool] = []
-
-    def run(cfg: dict) -> dict[int, dict]:
-        if not pools:
-            pools.append(RankPool(WORLD))
-        out, errors = pools[0].run(cfg)
-        if errors:
-            pools.pop().close(kill=True)  # its ranks may be hung or out of step
-        assert not errors, "\n".join(errors)
-        return out
-
-    try:
-        yield run
-    finally:
-        for pool in pools:
-            pool.close()
+    """Body of the ``trace_ranks`` fixtures: ``run(cfg) -> trace records by rank`` on WORLD spawned ranks."""
+    yield from pooled_runner(trace_pipeline_step, lambda cfg: WORLD)
 
 
 trace_ranks = pytest.fixture(scope="module", name="trace_ranks")(rank_runner)

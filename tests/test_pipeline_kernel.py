@@ -11,23 +11,18 @@ one-process reference (whole batch, same seed, same optimizer):
 """
 from __future__ import annotations
 
-import queue as queue_mod
-import traceback
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels.data import SyntheticTokens
 from kernels.model import GPTConfig, build_gpt, loss_fn
 from kernels.pipeline import (SCHEDULES, SINGLE_STAGE, build_pipeline, check_schedule,
                               pipeline_step, stage_ids_for_rank)
+from tests.spawned_ranks import pooled_runner
 
 STEPS, GLOBAL_BATCH, LR = 3, 8, 1e-2
 PARAM_RTOL = 1e-3  # on the norm of each tensor's update; see _assert_matches_reference
-RESULT_TIMEOUT_S = 120  # per case; a hung schedule fails the test instead of pytest's 300 s
 
 
 def _case(schedule: str, pp: int) -> dict:
@@ -44,8 +39,9 @@ def _batches(cfg: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [data.global_batch(step, GLOBAL_BATCH) for step in range(STEPS)]
 
 
-def _train_rank(case: dict, rank: int) -> dict:
+def _train_rank(case: dict) -> dict:
     """One pipeline rank: STEPS AdamW steps over its own stage parameters."""
+    rank = dist.get_rank()
     cfg = GPTConfig(**case["model"])
     rt = build_pipeline(cfg, case["schedule"], rank, case["pp"], case["stages_per_rank"],
                         case["microbatches"], None, "cpu", loss_fn)
@@ -65,86 +61,10 @@ def _numpy(modules, pick) -> dict:
     return {n: pick(p).detach().numpy().copy() for m in modules for n, p in m.named_parameters()}
 
 
-def _rank_loop(rank: int, world: int, tasks, results) -> None:
-    """A pool worker: for each (port, case), join a fresh gloo world, train, report."""
-    torch.set_num_threads(1)  # ranks share two cores with each other and other jobs
-    while (task := tasks.get()) is not None:
-        port, case = task
-        try:
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                                  timeout=timedelta(seconds=60))
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=60))
-            results.put((rank, "ok", _train_rank(case, rank)))
-        except BaseException:
-            results.put((rank, "error", traceback.format_exc()))
-        finally:
-            # Closing this rank's connections makes peers blocked on it fail at once.
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-class _RankPool:
-    """``world`` spawned ranks reused across cases: importing torch costs ~3 s of CPU per
-    process, far more than a case's training. Any failure kills the pool; the next
-    case spawns a fresh one."""
-
-    def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.world, self.results = world, ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_rank_loop, args=(r, world, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world)]
-        for proc in self.procs:
-            proc.start()
-
-    def run(self, case: dict) -> tuple[dict[int, dict], list[str]]:
-        # A fresh store per case, on a port the OS picks, so parallel runs never collide.
-        store = dist.TCPStore("127.0.0.1", 0, self.world + 1, is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=60))
-        for q in self.tasks:
-            q.put((store.port, case))
-        out, errors = {}, []
-        try:
-            for _ in range(self.world):
-                rank, status, payload = self.results.get(timeout=RESULT_TIMEOUT_S)
-                if status != "ok":
-                    errors.append(f"rank {rank}:\n{payload}")
-                    break
-                out[rank] = payload
-        except queue_mod.Empty:
-            errors.append(f"no result within {RESULT_TIMEOUT_S} s (hung schedule?)")
-        return out, errors
-
-    def close(self, kill: bool = False) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=0 if kill else 2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def run_ranks():
     """``run_ranks(case)``: results by rank from case["pp"] pooled ranks; pools always stopped."""
-    pools: dict[int, _RankPool] = {}
-
-    def run(case: dict) -> dict[int, dict]:
-        world = case["pp"]
-        pool = pools.get(world) or pools.setdefault(world, _RankPool(world))
-        out, errors = pool.run(case)
-        if errors:
-            pools.pop(world).close(kill=True)  # its ranks may be hung or out of step
-        assert not errors, "\n".join(errors)
-        return out
-
-    try:
-        yield run
-    finally:
-        for pool in pools.values():
-            pool.close()
+    yield from pooled_runner(_train_rank, lambda case: case["pp"])
 
 
 def _reference(cfg: GPTConfig) -> tuple[list[float], dict, dict, dict]:
