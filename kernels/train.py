@@ -225,10 +225,10 @@ def grad_norm(model: nn.Module) -> float:
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
         dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
-        mesh, squares = groups.get((id(g.device_mesh), dims), (g.device_mesh, 0.0))
-        groups[(id(mesh), dims)] = (mesh, squares + g.to_local().double().pow(2).sum())
+        key = (g.device_mesh, dims)
+        groups[key] = groups.get(key, 0.0) + g.to_local().double().pow(2).sum()
     # Every rank of a group holds the same modules, so each meets the groups in the same order.
-    for (_, dims), (mesh, squares) in groups.items():
+    for (mesh, dims), squares in groups.items():
         for d in dims:
             dist.all_reduce(squares, group=mesh.get_group(d))
         total += float(squares)
