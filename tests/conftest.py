@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 import lab
 
@@ -13,6 +14,15 @@ def start_pool(n: int = 4, timeout: float = 60) -> lab.Cluster:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", lab.OversubscribedWarning)
         return lab.start(n=n, backend="gloo", timeout=timeout, collective_timeout=60, activate=False)
+
+
+@pytest.fixture
+def one_thread():
+    """Two cores are shared with the ranks and other jobs: one-process work runs on one thread, like each rank."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

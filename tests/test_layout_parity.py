@@ -109,13 +109,7 @@ def _case(layout_id: str):
     return pytest.param(layout_id, marks=marks, id=layout_id)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores are shared: the reference runs on one thread, like each rank."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,13 +14,7 @@ from kernels.model import GPTConfig, build_gpt, count_parameters, keep_stage, lo
 TINY = GPTConfig(layers=2, d_model=32, heads=2, vocab=32, seq_len=16, seed=0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores are shared with other jobs: keep every test on one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
