@@ -9,6 +9,7 @@ process it started so that it can later signal exactly those and no others.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -71,10 +72,32 @@ def connect_existing(profile: str | None = None, cluster_id: str | None = None, 
         cluster = None
     else:
         kwargs = {"profile": profile or "default"} if profile_dir is None else {"profile_dir": profile_dir}
-        cluster = ipp.Cluster.from_file(cluster_id=cluster_id or "", **kwargs)
+        cluster = load_cluster_file(cluster_id or "", kwargs, timeout=timeout)
         client = cluster.connect_client_sync()
     client.wait_for_engines(n or 1, timeout=timeout)
     return EngineSource(client, cluster, owned=False)
+
+
+def load_cluster_file(cluster_id: str, location: dict[str, str], *, timeout: float) -> ipp.Cluster:
+    """Load the cluster file ``ipcluster`` wrote for ``cluster_id`` in a profile.
+
+    ``ipcluster`` rewrites that file in place (truncate, then write) each time an
+    engine set starts, so a reader can catch it empty or half written; such a read
+    is retried until ``timeout``, as ipyparallel does for its connection files. A
+    file that does not exist is an error at once: nothing is starting there.
+    """
+    path = ipp.Cluster(cluster_id=cluster_id, **location).cluster_file
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ipp.Cluster.from_file(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no ipcluster cluster file at {path}: start the engines with `ipcluster start` "
+                                    f"for this profile and cluster id first") from None
+        except json.JSONDecodeError:
+            if time.monotonic() > deadline:
+                raise ValueError(f"the cluster file {path} stayed unreadable (not JSON) for {timeout:.0f} s") from None
+            time.sleep(0.2)
 
 
 def launched_pids(cluster: ipp.Cluster) -> set[int]:

@@ -1,11 +1,15 @@
 """Engines started by ``ipcluster`` (any launcher) become ranks; the lab never stops them."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from pathlib import Path
 
+import ipyparallel as ipp
 import pytest
 
 import lab
@@ -54,3 +58,28 @@ def test_connect_makes_ipcluster_engines_ranks_and_stop_leaves_them_running(ipcl
     assert pool.run(rank_sum) == [1.0, 1.0]
     pool.stop()
     assert all(launch.is_alive(p) for p in engine_pids)
+
+
+def test_cluster_file_caught_mid_write_is_read_once_ipcluster_finishes_it(tmp_path):
+    location = {"profile_dir": str(tmp_path)}
+    written = ipp.Cluster(cluster_id="half", n=3, **location)
+    Path(written.cluster_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(written.cluster_file).write_text("")  # ipcluster truncates before it writes
+    finish = threading.Timer(0.5, lambda: Path(written.cluster_file).write_text(json.dumps(written.to_dict())))
+    finish.start()
+    try:
+        loaded = launch.load_cluster_file("half", location, timeout=10)
+    finally:
+        finish.cancel()
+    assert loaded.cluster_id == "half" and loaded.n == 3
+
+
+def test_cluster_file_errors_name_the_file(tmp_path):
+    location = {"profile_dir": str(tmp_path)}
+    with pytest.raises(FileNotFoundError, match="no ipcluster cluster file at .*cluster-absent.json"):
+        launch.load_cluster_file("absent", location, timeout=10)
+    broken = Path(ipp.Cluster(cluster_id="broken", **location).cluster_file)
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="cluster-broken.json stayed unreadable"):
+        launch.load_cluster_file("broken", location, timeout=0.5)
