@@ -2,7 +2,7 @@
 
 Builds this rank's stages with ``kernels.pipeline.build_pipeline`` on a (pp, dp, tp=1)
 mesh (DESIGN §3 "Mesh order"), runs untraced warm-up steps (the first step also
-infers shapes with extra p2p), aligns the clocks to rank 0 (Cristian's algorithm,
+infers shapes with extra p2p), aligns the clocks to rank 0 (barrier round trips,
 ``kernels.trace.align_clocks``), then traces ``steps`` steps: the schedule's actions
 and p2p waits (``kernels.trace.instrument``), the naive dp gradient all-reduce
 (all_reduce(SUM) over the dp group, then / dp, as kernels.train does) and the AdamW
@@ -14,7 +14,7 @@ zero bubble: Qi et al., 2024).
 Config keys: schedule, pp, dp (default world // pp), stages_per_rank (1 for gpipe/1f1b,
 else 2), microbatches, model {layers, d_model, heads, vocab, seq_len}, global_batch,
 synthetic_forward_s (None: real compute), steps (traced, default 1), warmup_steps
-(default 1), align_rounds (default 8), seed.
+(default 1), align_rounds (default 4), seed.
 
 Run alone (prints each rank's busy time and idle share of the traced step)::
 
@@ -105,7 +105,7 @@ def _settings(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     return {"schedule": schedule, "pp": pp, "dp": int(cfg.get("dp", world // pp)), "spr": spr, "m": m,
             "model": model, "batch": int(cfg.get("global_batch", m * int(cfg.get("dp", world // pp)))),
             "synthetic_s": cfg.get("synthetic_forward_s"), "steps": int(cfg.get("steps", 1)),
-            "warmup": int(cfg.get("warmup_steps", 1)), "rounds": int(cfg.get("align_rounds", 8))}
+            "warmup": int(cfg.get("warmup_steps", 1)), "rounds": int(cfg.get("align_rounds", 4))}
 
 
 def trace_pipeline_step(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -20,11 +20,11 @@ Clocks: ``time.perf_counter`` on CPU; on CUDA, events recorded on the current st
 and resolved after the step against a reference event taken right after a
 synchronize. Tracing off means ``instrument`` is never called: no wrappers, zero cost.
 
-Clock alignment is Cristian's algorithm (Cristian, 1989, "Probabilistic clock
-synchronization"): rank 0 exchanges timestamped ping-pongs with every rank, keeps
-the round trip with the smallest RTT and takes the peer's offset as
-``t_peer - (t_send + t_back) / 2``, exact to within half that RTT (the reported
-uncertainty). Events are stored relative to rank 0's epoch, broadcast after the sync.
+Clock alignment uses timestamped barrier round trips (DESIGN §3): every rank stamps
+its entry to and exit from a series of barriers, each rank in turn arriving last;
+since no rank leaves a barrier before the last has entered, the stamps bound each
+rank's offset to rank 0 from both sides, and half the bound's width is the reported
+uncertainty. Events are stored relative to rank 0's epoch, broadcast after the sync.
 
 Run alone (prints each rank's offset and uncertainty)::
 
@@ -217,44 +217,50 @@ def traced(stages: list, rec: TraceRecorder, synthetic: Any | None = None) -> It
 
 
 # --- clock alignment ------------------------------------------------------------------------
-def _ping(peer: int, rounds: int, device: torch.device) -> dict:
-    """Rank 0's side of ``rounds`` ping-pongs with ``peer``: the min-RTT sample's offset."""
-    buf = torch.zeros(1, dtype=torch.float64, device=device)
-    best = None
-    for _ in range(rounds):
-        t_send = time.perf_counter()
-        dist.send(torch.tensor([t_send], dtype=torch.float64, device=device), peer)
-        dist.recv(buf, peer)  # the peer's clock when it got our ping
-        t_back = time.perf_counter()
-        rtt = t_back - t_send
-        if best is None or rtt < best[0]:
-            best = (rtt, float(buf.item()) - (t_send + t_back) / 2)
-    return {"rtt": best[0], "offset": best[1], "uncertainty": best[0] / 2}
+_ARRIVE_LAST_S = 1e-3  # how long the designated rank waits, so that it enters the barrier last
 
 
-def align_clocks(rounds: int = 8, device: torch.device | str = "cpu") -> dict:
+def _offset_bounds(mine: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Interval that holds (this rank's clock minus rank 0's), from both ranks' (enter, exit) stamps.
+
+    A barrier releases no rank before the last one has entered, so one instant R of
+    every round lies inside every rank's [enter, exit]. Read on both clocks, that
+    bounds the offset to [enter_mine - exit_ref, exit_mine - enter_ref] per round;
+    the rounds' intersection is what holds.
+    """
+    low = float((mine[:, 0] - ref[:, 1]).max())
+    high = float((mine[:, 1] - ref[:, 0]).min())
+    return low, high
+
+
+def align_clocks(rounds: int = 4, device: torch.device | str = "cpu") -> dict:
     """Every rank of the default group: this rank's offset to rank 0 and rank 0's epoch.
 
-    Returns ``{rank, offset, uncertainty, rtt, rounds, epoch}`` in seconds; local time
-    minus ``offset`` is rank 0's time, and ``epoch`` is rank 0's time at the end of the sync.
+    Timestamped barrier round trips (DESIGN §3 "Clock alignment"): ``rounds`` sweeps in
+    which each rank in turn enters the barrier last. The round where this rank is last
+    pins the offset from below (it entered just before the release that rank 0 left
+    just after), the round where rank 0 is last pins it from above, and the offset is
+    the middle of that interval, exact to within half its width (the uncertainty).
+
+    Returns ``{rank, offset, uncertainty, rtt, rounds, epoch}`` in seconds: ``rtt`` is
+    the interval's width, local time minus ``offset`` is rank 0's time, and ``epoch``
+    is rank 0's time at the end of the sync.
     """
     device = torch.device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"rank": rank, "offset": 0.0, "uncertainty": 0.0, "rtt": 0.0, "rounds": rounds}
+    stamps = torch.zeros(rounds * world, 2, dtype=torch.float64)
     dist.barrier()
-    if rank == 0:
-        for peer in range(1, world):
-            est = _ping(peer, rounds, device)
-            dist.send(torch.tensor([est["offset"], est["uncertainty"], est["rtt"]],
-                                   dtype=torch.float64, device=device), peer)
-    else:
-        buf = torch.zeros(1, dtype=torch.float64, device=device)
-        for _ in range(rounds):
-            dist.recv(buf, 0)
-            dist.send(torch.tensor([time.perf_counter()], dtype=torch.float64, device=device), 0)
-        est = torch.zeros(3, dtype=torch.float64, device=device)
-        dist.recv(est, 0)
-        result.update(offset=float(est[0]), uncertainty=float(est[1]), rtt=float(est[2]))
+    for i in range(rounds * world):
+        if i % world == rank:
+            time.sleep(_ARRIVE_LAST_S)
+        enter = time.perf_counter()
+        dist.barrier()
+        stamps[i, 0], stamps[i, 1] = enter, time.perf_counter()
+    every = [torch.zeros_like(stamps, device=device) for _ in range(world)]
+    dist.all_gather(every, stamps.to(device))
+    low, high = _offset_bounds(stamps, every[0].cpu()) if rank else (0.0, 0.0)  # rank 0 is the reference
+    result = {"rank": rank, "offset": (low + high) / 2, "uncertainty": (high - low) / 2, "rtt": high - low,
+              "rounds": rounds}
     epoch = torch.tensor([time.perf_counter() if rank == 0 else 0.0], dtype=torch.float64, device=device)
     dist.broadcast(epoch, 0)
     result["epoch"] = float(epoch.item())
@@ -265,7 +271,7 @@ def _main() -> None:
     dist.init_process_group("gloo")
     sync = align_clocks()
     print(f"[rank {sync['rank']}] offset {sync['offset'] * 1e6:+.1f} us "
-          f"± {sync['uncertainty'] * 1e6:.1f} us (min RTT {sync['rtt'] * 1e6:.1f} us)", flush=True)
+          f"± {sync['uncertainty'] * 1e6:.1f} us (bound width {sync['rtt'] * 1e6:.1f} us)", flush=True)
     dist.destroy_process_group()
 
 

@@ -118,7 +118,7 @@ class _Tracer:
     """The last step's recorder, synthetic cost and clock sync; ``record`` is the plain trace record."""
 
     def __init__(self, cfg: dict[str, Any], runtime, device: torch.device) -> None:
-        self.runtime, self.device, self.rounds = runtime, device, int(cfg.get("align_rounds", 8))
+        self.runtime, self.device, self.rounds = runtime, device, int(cfg.get("align_rounds", 4))
         forward_s = cfg.get("synthetic_forward_s")
         self.synthetic = SyntheticCost(float(forward_s), len(runtime.stage_ids)) if forward_s else None
         rank, per_host = dist.get_rank(), cfg.get("ranks_per_host")

@@ -145,13 +145,13 @@ class TraceEvent(Record):
 
 @dataclass(frozen=True)
 class ClockSync(Record):
-    """One rank's clock offset to rank 0 (Cristian's algorithm, min-RTT ping-pong)."""
+    """One rank's clock offset to rank 0, bounded by timestamped barrier round trips."""
 
     rank: int
     offset: float  # local clock minus rank 0's clock, seconds
-    uncertainty: float  # half the minimum round trip: the offset is exact to within this
-    rtt: float
-    rounds: int
+    uncertainty: float  # half of rtt: the offset is exact to within this
+    rtt: float  # width of the interval the barrier round trips leave for the offset
+    rounds: int  # sweeps of barriers, each rank arriving last once per sweep
     epoch: float  # rank 0's clock at the end of the sync; events count from here
 
 
