@@ -20,7 +20,8 @@ ignores), so what it holds is rounding noise (~1e-11) that AdamW divides by eps
 atol 1e-4 (lr / 100): still far from one real AdamW step (~lr).
 
 Pipeline layouts run every torch schedule (PP 2 on 2 of the 4 ranks, PP 2 x DP 2,
-PP 4), and PP with TP, ZeRO-1, FSDP (ZeRO-2/3) and both (PP x DP x TP on 8 ranks).
+PP 4), and PP with TP, ZeRO-1, FSDP (ZeRO-2/3), activation checkpointing, HSDP 2x2
+(8 ranks) and TP with DP (PP x DP x TP on 8 ranks).
 Their loss is a sum of per-micro-batch means, another order of the same float32
 sums, and they meet the same bounds (tests/test_pipeline_kernel.py's looser
 per-tensor norm check is not needed on these one-block-per-stage models).
@@ -99,9 +100,11 @@ LAYOUTS.update({
     "pp2-dp2-zero1": (_pipeline("1f1b", 2, dp=2, zero=1), FP32),
     "pp2-dp2-fsdp-zero2": (_pipeline("interleaved_1f1b", 2, dp=2, zero=2), FP32),
     "pp2-dp2-fsdp-zero3": (_pipeline("1f1b", 2, dp=2, zero=3), FP32),
+    "pp2-dp2-activation-checkpointing": (_pipeline("1f1b", 2, dp=2, activation_checkpointing=True), FP32),
     "pp2-dp2-tp2": (_pipeline("1f1b", 2, dp=2, tp=2), FP32),  # 8 ranks
+    "pp2-hsdp-2x2": (_pipeline("1f1b", 2, dp=4, zero=3, fsdp_strategy="hybrid", hsdp_replicate=2), FP32),  # 8 ranks
 })
-EIGHT_RANKS = {"pp2-dp2-tp2"}
+EIGHT_RANKS = {"pp2-dp2-tp2", "pp2-hsdp-2x2"}
 
 
 def _case(layout_id: str):
@@ -159,7 +162,10 @@ def test_layout_trains_like_one_process(request, layout_id):
     if "pp" in fields:  # the layout names each rank's stages: every stage on dp * tp ranks
         held, copies = sorted(s for r in results for s in r["layout"]["stage_ids"]), fields["dp"] * fields["tp"]
         assert held == sorted(list(range(len(held) // copies)) * copies), held
-    if "zero" in fields and fields.get("dp") == 4:  # ZeRO shards: each rank holds 1/4 of each tensor's elements
-        for name, info in results[0]["layout"]["params"].items():
-            held = sum(math.prod(r["layout"]["params"][name]["local_shape"]) for r in results)
-            assert held == math.prod(info["global_shape"]) or fields["zero"] == 1, name
+    sharded = fields.get("zero", 0) >= 2 or fields.get("fsdp_strategy") == "hybrid"
+    if sharded and fields.get("dp") == 4:  # FSDP shards each tensor over the dp ranks holding it
+        copies = fields.get("hsdp_replicate", 1) if fields.get("fsdp_strategy") == "hybrid" else 1
+        for name in ref["params"]:
+            holders = [r["layout"]["params"][name] for r in results if name in r["layout"]["params"]]
+            held = sum(math.prod(info["local_shape"]) for info in holders)
+            assert held == copies * math.prod(holders[0]["global_shape"]), name
