@@ -21,7 +21,9 @@ Three ways in, one meter (``CommMeter``):
   maths), which calls ``dist.all_reduce`` on each flat bucket, so the patch sees it.
 - DTensor (TP) functional collectives (``_c10d_functional.*``): ``FuncolMeter``, a
   ``torch.distributed.tensor.debug.CommDebugMode`` that also records the payload and
-  time of each functional collective (CommDebugMode itself only counts them).
+  time of each functional collective (CommDebugMode itself only counts them). Inside a
+  pipeline stage CommDebugMode's module tracker fails, and ``TrackerlessFuncolMeter``
+  (a plain dispatch mode) meters the same collectives.
 
 Rows (``CommMeter.rows``): one per (op, group size, source): ``{"op", "group_size", "count",
 "payload_bytes", "seconds", "source"}`` (source "dist" or "funcol"); bandwidths are the
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -206,6 +209,24 @@ def _group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
+def _meter_funcol(meter: CommMeter, func: Any, types: tuple, args: tuple, call: Callable[[], Any]) -> Any:
+    """``call()`` the dispatched op; a functional collective on plain tensors is waited for and metered."""
+    packet = getattr(func, "_overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    info = None
+    if packet is not None and hasattr(_FUNCOL, name) and getattr(_FUNCOL, name) is packet \
+            and not any(t is DTensor for t in types):
+        info = _funcol_payload(name, args)
+    if info is None:
+        return call()
+    start = time.perf_counter()
+    out = call()
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        _FUNCOL.wait_tensor(t)  # measuring mode: the collective's own time
+    meter.record(info[0], info[2], info[1], time.perf_counter() - start, "funcol")
+    return out
+
+
 class FuncolMeter(CommDebugMode):
     """CommDebugMode that also meters payload and time of each DTensor functional collective."""
 
@@ -214,20 +235,26 @@ class FuncolMeter(CommDebugMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = getattr(func, "_overloadpacket", None)
-        name = getattr(packet, "__name__", "")
-        info = None
-        if packet is not None and hasattr(_FUNCOL, name) and getattr(_FUNCOL, name) is packet \
-                and not any(t is DTensor for t in types):
-            info = _funcol_payload(name, args)
-        if info is None:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        start = time.perf_counter()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        for t in out if isinstance(out, (list, tuple)) else (out,):
-            _FUNCOL.wait_tensor(t)  # measuring mode: the collective's own time
-        self.meter.record(info[0], info[2], info[1], time.perf_counter() - start, "funcol")
-        return out
+        return _meter_funcol(self.meter, func, types, args,
+                             lambda: super(FuncolMeter, self).__torch_dispatch__(func, types, args, kwargs))
+
+
+class TrackerlessFuncolMeter(TorchDispatchMode):
+    """The same metering without CommDebugMode's module tracker, for pipeline stages.
+
+    CommDebugMode's tracker fails when the pipeline schedule calls a stage's module
+    (IndexError in ``_fw_set_module_hook``), so inside a pipeline this plain dispatch
+    mode meters the functional collectives that TP's DTensors issue, and nothing else.
+    """
+
+    def __init__(self, meter: CommMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives, seen next
+        return _meter_funcol(self.meter, func, types, args, lambda: func(*args, **(kwargs or {})))
 
 
 def _main() -> None:

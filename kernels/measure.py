@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.comm import _DIST_OPS, _P2P, CommMeter, route_ddp_through_python, unmetered
+from kernels.comm import _DIST_OPS, _P2P, CommMeter, TrackerlessFuncolMeter, route_ddp_through_python, unmetered
 from kernels.memory import SavedActivations, snapshot
 
 
@@ -104,13 +104,13 @@ class StepProbe:
 
 
 class _CollectiveMeter(CommMeter):
-    """A CommMeter for pipeline steps: ``torch.distributed`` collectives only.
+    """A CommMeter for pipeline steps: ``torch.distributed`` collectives and TP's functional ones.
 
     p2p is left unpatched: ``P2POp`` checks ``op`` by identity against the unwrapped
     ``isend``/``irecv``, so a wrapped one breaks the pipeline's sends (they are counted
-    at the stage instead, ``meter_stage_sends``). DTensor functional collectives are not
-    metered: CommDebugMode's module tracker fails inside the schedule's stage calls
-    (IndexError in ``_fw_set_module_hook``), so TP inside a pipeline goes unmetered here.
+    at the stage instead, ``meter_stage_sends``). DTensor functional collectives are
+    metered by ``TrackerlessFuncolMeter``: CommDebugMode's module tracker fails inside
+    the schedule's stage calls, so there are no CommDebugMode counts to check against.
     """
 
     def _dist_names(self) -> list[str]:
@@ -118,7 +118,7 @@ class _CollectiveMeter(CommMeter):
 
     @contextlib.contextmanager
     def active(self):
-        with self.patch_dist():
+        with self.patch_dist(), TrackerlessFuncolMeter(self):
             yield self
         self.debug_counts, self.unmetered = {}, {}
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
@@ -95,7 +95,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel), src_data_rank=None)
     parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel), src_data_rank=None)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model
+
+
+def _shard_grad_like_param(param: nn.Parameter) -> None:
+    """Give ``param.grad`` the placements of ``param`` once autograd has accumulated it.
+
+    DTensor's cheapest strategy for the embedding backward, with a replicated
+    gradient and replicated indices, is a replicated (whole-table) gradient, so a
+    row-parallel embedding would hold its full vocab x C gradient on every tp rank and
+    lose TP's memory saving there. Replicate -> Shard is a local slice, no collective.
+    Under FSDP2 the hooked parameters are replaced by FSDP's, so this never fires there.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

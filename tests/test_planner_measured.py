@@ -10,8 +10,12 @@ Layouts (``LAYOUTS``): DDP and ZeRO-1/2/3 on dp=4; TP2×DP2 with zero 0, which
 ``kernels.train.layout_plan`` builds as FSDP2 *replication* on the dp axis (a hybrid
 mesh with shard size 1: DDP cannot take TP DTensors), so memory is DDP's and the dp
 traffic is one gradient all-reduce; TP2×DP2 ZeRO-3 (FSDP2 sharding over TP shards,
-2D DTensors); PP2×DP2 1F1B, m=2 (one block per stage; stage 0 also holds the
-embeddings, stage 1 the final norm and LM head; gradients all-reduced per tensor over dp).
+2D DTensors); TP4 alone and PP2×TP2, where nothing but TP decides where gradients
+live (the row-parallel embeddings' gradients must be sharded like their weights);
+PP2×DP2 1F1B, m=2 (one block per stage; stage 0 also holds the embeddings, stage 1
+the final norm and LM head; gradients all-reduced per tensor over dp). Inside a
+pipeline the tp collectives are metered without CommDebugMode (its module tracker
+fails in stage calls) and still match the planner's tp traffic.
 
 Model states are compared at ``peak_fwd_bwd`` (forward done, backward not started:
 the moment ZeRO-2 holds whole parameters, which the planner's ZeRO-2 term counts)
@@ -56,9 +60,11 @@ LAYOUTS = {
     "zero1": {"dp": 4, "zero": 1},
     "zero2": {"dp": 4, "zero": 2},
     "zero3": {"dp": 4, "zero": 3},
+    "tp4": {"dp": 1, "tp": 4},
     "tp2_dp2": {"dp": 2, "tp": 2},  # zero 0: FSDP2 replication on dp (kernels.train.layout_plan)
     "tp2_dp2_zero3": {"dp": 2, "tp": 2, "zero": 3},
     "pp2_dp2": {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
+    "pp2_tp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
 }
 K, ELEM = 8, 4  # fp32 AdamW: exp_avg + exp_avg_sq; fp32 parameters and gradients
 STATES = ("params", "grads", "optimizer")
