@@ -256,9 +256,9 @@ def align_clocks(rounds: int = 4, device: torch.device | str = "cpu") -> dict:
         enter = time.perf_counter()
         dist.barrier()
         stamps[i, 0], stamps[i, 1] = enter, time.perf_counter()
-    every = [torch.zeros_like(stamps, device=device) for _ in range(world)]
-    dist.all_gather(every, stamps.to(device))
-    low, high = _offset_bounds(stamps, every[0].cpu()) if rank else (0.0, 0.0)  # rank 0 is the reference
+    ref = stamps.to(device, copy=True)  # on CPU, .to() alone would hand back stamps itself
+    dist.broadcast(ref, 0)  # rank 0's stamps: each rank bounds its own offset against them
+    low, high = _offset_bounds(stamps, ref.cpu()) if rank else (0.0, 0.0)  # rank 0 is the reference
     result = {"rank": rank, "offset": (low + high) / 2, "uncertainty": (high - low) / 2, "rtt": high - low,
               "rounds": rounds}
     epoch = torch.tensor([time.perf_counter() if rank == 0 else 0.0], dtype=torch.float64, device=device)
