@@ -24,7 +24,7 @@ Clock alignment uses timestamped barrier round trips (DESIGN §3): every rank st
 its entry to and exit from a series of barriers, each rank in turn arriving last;
 since no rank leaves a barrier before the last has entered, the stamps bound each
 rank's offset to rank 0 from both sides, and half the bound's width is the reported
-uncertainty. Events are stored relative to rank 0's epoch, broadcast after the sync.
+uncertainty. Events are stored relative to rank 0's epoch, its exit from the last barrier.
 
 Run alone (prints each rank's offset and uncertainty)::
 
@@ -244,7 +244,7 @@ def align_clocks(rounds: int = 4, device: torch.device | str = "cpu") -> dict:
 
     Returns ``{rank, offset, uncertainty, rtt, rounds, epoch}`` in seconds: ``rtt`` is
     the interval's width, local time minus ``offset`` is rank 0's time, and ``epoch``
-    is rank 0's time at the end of the sync.
+    is rank 0's time at the end of the sync (its exit from the last barrier).
     """
     device = torch.device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -259,12 +259,8 @@ def align_clocks(rounds: int = 4, device: torch.device | str = "cpu") -> dict:
     ref = stamps.to(device, copy=True)  # on CPU, .to() alone would hand back stamps itself
     dist.broadcast(ref, 0)  # rank 0's stamps: each rank bounds its own offset against them
     low, high = _offset_bounds(stamps, ref.cpu()) if rank else (0.0, 0.0)  # rank 0 is the reference
-    result = {"rank": rank, "offset": (low + high) / 2, "uncertainty": (high - low) / 2, "rtt": high - low,
-              "rounds": rounds}
-    epoch = torch.tensor([time.perf_counter() if rank == 0 else 0.0], dtype=torch.float64, device=device)
-    dist.broadcast(epoch, 0)
-    result["epoch"] = float(epoch.item())
-    return result
+    return {"rank": rank, "offset": (low + high) / 2, "uncertainty": (high - low) / 2, "rtt": high - low,
+            "rounds": rounds, "epoch": float(ref[-1, 1])}  # rank 0 leaving the last barrier
 
 
 def _main() -> None:
