@@ -10,7 +10,7 @@ trusts torch's answer.
 - all_gather: every rank ends with all inputs, concatenated in rank order.
 - reduce_scatter: rank r ends with the sum over ranks of chunk r of their inputs.
 - broadcast: every rank ends with rank 0's input.
-- send/recv: a ring, rank r sends to r+1 and receives from r-1.
+- send/recv: a ring, rank r sends to r+1 and receives from r-1 (a ring of one sends nothing).
 
 Run alone under torchrun::
 
@@ -71,6 +71,8 @@ def _broadcast(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def _send_recv(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    if world == 1:  # a ring of one rank hands the value to itself; gloo cannot pair a rank with itself
+        return x.clone()
     received = torch.empty_like(x)
     # Posting both sides at once lets every rank send and receive without a deadlock.
     ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, received, (rank - 1) % world)]

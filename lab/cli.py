@@ -28,7 +28,7 @@ def demo(args: argparse.Namespace) -> int:
             cluster = lab.start(n=args.train_ranks, backend=args.backend, timeout=args.timeout, activate=False)
         with cluster:
             parallel, result, reference = train_demo(cluster)
-            print(f"training the GPT with {parallel.describe()} on {cluster.world_size} ranks, "
+            print(f"training the GPT with {parallel.describe()} on {cluster.world_size} rank{'s' if cluster.world_size > 1 else ''}, "
                   f"beside the same training in one process:\n{result.loss_table(reference)}")
             same = result.matches(reference)
             print("losses equal the one-process reference" if same else "LOSSES DIFFER from the reference")

@@ -17,6 +17,8 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ipyparallel import AsyncResult
+
 from kernels import runtime
 from lab import launch
 from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError
@@ -119,10 +121,7 @@ class Cluster:
         rebuilt on every live rank before the error is raised.
         """
         targets = self._targets(ranks)
-        # One multi-target message serialises the call once; split() gives a future per rank.
-        submitted = self._source.client[[self._engine_of(r) for r in targets]].apply_async(
-            runtime.call_guarded, fn, args, kwargs)
-        pending = dict(zip(targets, submitted.split()))
+        pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
         self._notify()
@@ -145,6 +144,19 @@ class Cluster:
         if ranks is None:
             return [out.results[r] for r in range(self.world_size)]
         return {r: out.results[r] for r in targets}
+
+    def _submit(self, targets: list[int], fn: Callable[..., Any], *args: Any) -> dict[int, AsyncResult]:
+        """One future per rank whose result is that rank's value, at any world size.
+
+        A multi-target message serialises the call once and ``split()`` gives a future per
+        rank; but a one-target message's ``split()`` is the message itself, whose result is
+        a one-element list, so a single rank gets a single-target view instead.
+        """
+        client = self._source.client
+        if len(targets) == 1:
+            return {targets[0]: client[self._engine_of(targets[0])].apply_async(fn, *args)}
+        submitted = client[[self._engine_of(r) for r in targets]].apply_async(fn, *args)
+        return dict(zip(targets, submitted.split()))
 
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells)."""
@@ -208,7 +220,7 @@ class Cluster:
     def __repr__(self) -> str:
         if self._stopped:
             return "<Cluster: stopped>"
-        head = f"Cluster: {self.world_size} ranks, backend {self.backend}, {self._threads} thread(s) per rank"
+        head = f"Cluster: {_ranks(self.world_size)}, backend {self.backend}, {self._threads} thread(s) per rank"
         cols = ("rank", "host", "pid", "device", "backend", "threads", "state")
         rows = [tuple(str(getattr(s, c)) for c in cols) for s in self.status()]
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
@@ -226,7 +238,7 @@ class Cluster:
             + "".join(f"<td>{html.escape(str(getattr(s, c)))}</td>" for c in cols) + "</tr>"
             for s in self.status())
         note = f"<p><i>{html.escape(self._rank_map.note)}</i></p>" if self._rank_map.note else ""
-        return (f"<div class='cluster-lab-ranks'><b>Cluster</b>: {self.world_size} ranks, "
+        return (f"<div class='cluster-lab-ranks'><b>Cluster</b>: {_ranks(self.world_size)}, "
                 f"backend <code>{self.backend}</code><table><thead><tr>"
                 + "".join(f"<th>{c}</th>" for c in cols) + f"</tr></thead><tbody>{body}</tbody></table>{note}</div>")
 
@@ -368,6 +380,10 @@ class Cluster:
     def _check_not_stopped(self) -> None:
         if self._stopped:
             raise PoolStoppedError("this pool was stopped; start a new one with lab.start()")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def _in_ipython() -> bool:

@@ -70,10 +70,9 @@ class RunResult:
         return "\n".join(rows)
 
     # --- views: records in, widgets and figures out ----------------------------------------
-    def _need(self, name: str) -> None:
+    def _need(self, name: str, what: str) -> None:
         if not getattr(self, name):
             option = "trace=True (a pipeline layout, pp > 1)" if name == "events" else "measure=True"
-            what = {"events": "trace events", "memory_records": "memory", "comm_records": "collectives"}[name]
             raise NotRecordedError(f"this run recorded no {what}: pass {option} to lab.Experiment and run it again")
 
     def _planned(self) -> dict[int, list]:
@@ -82,35 +81,36 @@ class RunResult:
     def timeline(self):
         """``widgets.PipelineTimeline`` of the traced step: lanes per rank, the bubble, the planned overlay."""
         from widgets import PipelineTimeline
-        self._need("events")
+        self._need("events", "trace events")
         return PipelineTimeline(self.events, self.bubble or None, self._planned())
 
     def plot_timeline(self):
         """The timeline as a matplotlib Figure (no widget needed)."""
         from widgets import plot_timeline
-        self._need("events")
+        self._need("events", "trace events")
         return plot_timeline(self.events, self.bubble or None)
 
     def to_chrome_trace(self, path: str | Path | None = None) -> dict:
         """Chrome/Perfetto trace JSON of the traced step, one track per rank; written to ``path`` if given."""
-        self._need("events")
+        self._need("events", "trace events")
         return _timeline.to_chrome_trace(self.events, path)
 
     def memory(self, moment: str = "at_rest"):
         """``widgets.MemoryView``: per rank and category, measured beside predicted and the ZeRO formula."""
         from widgets import MemoryView
-        self._need("memory_records")
+        self._need("memory_records", "memory")
         return MemoryView(self.memory_records, moment)
 
     def plot_memory(self, moment: str = "at_rest"):
         """The memory view at ``moment`` as a matplotlib Figure."""
         from widgets import plot_memory
-        self._need("memory_records")
+        self._need("memory_records", "memory")
         return plot_memory(self.memory_records, moment)
 
     def comm(self) -> CommTable:
         """Per rank and collective type: count, bytes, seconds and busbw beside the analytic volume."""
-        self._need("comm_records")
+        # A measured run always has memory records; its collectives may be none (a world of one rank).
+        self._need("memory_records", "collectives")
         return CommTable(sorted(self.comm_records, key=lambda r: (r["rank"], r["source"], r["op"])))
 
     def sharding(self):

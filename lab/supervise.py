@@ -110,7 +110,15 @@ def describe_failures(out: Outcome, rank_map: RankMap, *, interrupted: set[int] 
 
 
 def _remote_parts(error: BaseException) -> tuple[str, str, str]:
+    """(type name, message, plain traceback) of a rank's error; never "None" where a part is missing."""
     if isinstance(error, RemoteError):
         # Engines format tracebacks for a colour terminal; records and messages keep plain text.
-        return error.ename, str(error.evalue), _ANSI.sub("", error.traceback or "")
-    return type(error).__name__, str(error), ""
+        tb = _ANSI.sub("", error.traceback or "")
+        ename = error.ename or type(error).__name__
+        evalue = "" if error.evalue is None else str(error.evalue)
+        if not evalue:  # say what the reply did carry, so the message never reads "None: None"
+            known = {k: v for k, v in (error.engine_info or {}).items() if v is not None}
+            evalue = (f"the engine's reply carried no exception type or message (engine info: {known or 'none'}; "
+                      f"traceback: {'below' if tb.strip() else 'none'})")
+        return ename, evalue, tb
+    return type(error).__name__, str(error) or repr(error), ""
