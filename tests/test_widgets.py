@@ -387,3 +387,14 @@ def test_plot_sharding_draws_one_lane_per_rank_and_the_held_slices():
 def test_plot_sharding_rejects_an_unknown_layer():
     with pytest.raises(ValueError, match="layer must be one of"):
         plot_sharding(layout_records("zero3"), layer="activations")
+
+
+@pytest.mark.parametrize("view, rows, record", [
+    (ClusterView, rank_status, "RankStatus"), (plot_cluster, rank_status, "RankStatus"),
+    (CollectiveView, collective_records, "CollectiveRecord"), (_collective_view, collective_records, "CollectiveRecord")])
+def test_status_and_collective_records_of_another_shape_fail_naming_the_key(view, rows, record):
+    good = rows()
+    with pytest.raises(RecordShapeError, match=f"{record}: unknown key 'world'"):
+        view([{**good[0], "world": 4}] + good[1:])
+    with pytest.raises(RecordShapeError, match=f"{record}: missing key 'rank'"):
+        view([{k: v for k, v in r.items() if k != "rank"} for r in good])

@@ -23,10 +23,10 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
 
 def _flat(records: list[Any]) -> list[dict[str, Any]]:
-    """CollectiveRecord dicts, checked by ``from_dict``, from a flat list or one list per rank (as cluster.run
-    returns them)."""
-    return [CollectiveRecord.coerce(r).to_dict() for item in records for r in (item if isinstance(item, list)
-                                                                              else [item])]
+    """CollectiveRecord dicts, each checked by ``from_dict``, from a flat list or one list per rank (as
+    cluster.run returns them)."""
+    flat = [r for item in records for r in (item if isinstance(item, list) else [item])]
+    return [CollectiveRecord.coerce(r).to_dict() for r in flat]
 
 
 def _group(records: list[Any]) -> dict[str, list[dict[str, Any]]]:

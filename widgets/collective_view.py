@@ -2,9 +2,9 @@
 
 Input: the records ``kernels.collectives.run_collectives()`` returns on every rank:
 ``kernels.records.CollectiveRecord`` dicts (checked by its ``from_dict``) or records, a
-flat list or one list per rank as ``cluster.run`` gives them. ``widgets._ring`` replays the ring algorithm on
-the real inputs; a twin whose final values differ from the real outputs is shown in
-red (``.cl-mismatch``), never hidden.
+flat list or one list per rank as ``cluster.run`` gives them. ``widgets._ring`` replays
+the ring algorithm on the real inputs; a twin whose final values differ from the real
+outputs is shown in red (``.cl-mismatch``), never hidden.
 """
 from __future__ import annotations
 
