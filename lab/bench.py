@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kernels.comm_bench import bench_rank
+from kernels.records import BenchRecord
 from lab.plan_math import busbw_factor
-from lab.records import BenchRecord
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")

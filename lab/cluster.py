@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from ipyparallel import AsyncResult
 
 from kernels import runtime
+from kernels.records import EngineInfo, RankMap, RankStatus
 from lab import launch
 from lab.errors import DeadRankError, LabError, PoolStoppedError, RankError, RankTimeoutError
 from lab.rank_map import build_rank_map
-from lab.records import EngineInfo, RankMap, RankStatus
 from lab.supervise import Outcome, describe_failures, wait_ranks
 
 if TYPE_CHECKING:

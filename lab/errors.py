@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lab.records import RankFailure
+from kernels.records import RankFailure
 
 
 class LabError(RuntimeError):

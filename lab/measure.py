@@ -41,9 +41,9 @@ import re
 from typing import Any
 
 from kernels.measure import measure_rank
+from kernels.records import CommRecord, MemoryRecord
 from lab.plan_math import busbw_factor, zero_memory
 from lab.planner import plan
-from lab.records import CommRecord, MemoryRecord
 
 _DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.float16": 2}
 ADAM_K = 8  # fp32 AdamW: exp_avg + exp_avg_sq, 4 bytes each per element

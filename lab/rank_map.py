@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lab.records import EngineInfo, RankInfo, RankMap
+from kernels.records import EngineInfo, RankInfo, RankMap
 
 BACKENDS = ("auto", "nccl", "gloo")
 

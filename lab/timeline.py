@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from lab.records import BubbleReport, ClockSync, TraceEvent
+from kernels.records import BubbleReport, ClockSync, TraceEvent
 
 COMPUTE_KINDS = ("forward", "backward", "backward_weight")
 SINGLE_STAGE = ("gpipe", "1f1b")

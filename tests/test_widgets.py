@@ -8,6 +8,7 @@ import matplotlib
 import pytest
 from matplotlib.figure import Figure
 
+from kernels.records import LayoutRecord, RecordShapeError
 from widgets import ClusterView, CollectiveView, ShardingView, plot_cluster, plot_collective, plot_sharding
 from widgets._layout import _extent, _sharding_view
 from widgets._ring import _cells_at, _collective_view, _simulate, _split
@@ -19,7 +20,7 @@ DATA_TRAITS = {"ClusterView": ["ranks", "summary"], "CollectiveView": ["records"
 
 # --- records, in the shapes the ranks really return them -------------------------------------------
 def rank_status(n: int = 4, failed: int | None = None) -> list[dict]:
-    """lab.records.RankStatus.to_dict() rows."""
+    """kernels.records.RankStatus.to_dict() rows."""
     return [{"rank": r, "host": f"node{r // 2}", "pid": 1000 + r, "device": "cpu", "backend": "gloo",
              "threads": 2, "state": "failed" if r == failed else "idle", "detail": "boom" if r == failed else "",
              "rss_bytes": (300 + r) * 2**20} for r in range(n)]
@@ -141,7 +142,7 @@ def test_cluster_view_state_holds_every_rank_in_order():
 
 
 def test_cluster_view_takes_rank_status_records_as_they_are():
-    from lab.records import RankStatus
+    from kernels.records import RankStatus
 
     view = ClusterView([RankStatus(**r) for r in rank_status(2, failed=0)])
     assert view.ranks == rank_status(2, failed=0)
@@ -272,11 +273,19 @@ def test_an_explicit_offset_wins_and_long_placement_names_parse():
                    {"dp": 2, "tp": 2}) == [0, 8, 3, 6]
 
 
-def test_params_may_be_a_list_of_named_dicts_with_stages():
+def test_layout_records_and_their_dicts_draw_the_same_and_another_shape_fails_naming_the_key():
     records = layout_records("pp")
-    as_lists = [{**{k: v for k, v in r.items() if k != "stage_ids"}, "stages": r["stage_ids"],
-                 "params": [{"name": n, **info} for n, info in r["params"].items()]} for r in records]
-    assert _sharding_view(as_lists) == _sharding_view(records)
+    assert _sharding_view([LayoutRecord.from_dict(r) for r in records]) == _sharding_view(records)
+    renamed = [{**{k: v for k, v in r.items() if k != "stage_ids"}, "stages": r["stage_ids"]} for r in records]
+    with pytest.raises(RecordShapeError, match="LayoutRecord: unknown key 'stages'"):
+        ShardingView(renamed)
+    as_list = [{**r, "params": [{"name": n, **info} for n, info in r["params"].items()]} for r in records]
+    with pytest.raises(RecordShapeError, match="ParamLayout: unknown key 'name'"):
+        _sharding_view(as_list)
+    no_shape = [{**r, "params": {n: {k: v for k, v in info.items() if k != "local_shape"}
+                                 for n, info in r["params"].items()}} for r in records]
+    with pytest.raises(RecordShapeError, match="ParamLayout: missing key 'local_shape'"):
+        plot_sharding(no_shape)
 
 
 def test_zero1_optimizer_layer_holds_only_owned_parameters():
@@ -378,3 +387,14 @@ def test_plot_sharding_draws_one_lane_per_rank_and_the_held_slices():
 def test_plot_sharding_rejects_an_unknown_layer():
     with pytest.raises(ValueError, match="layer must be one of"):
         plot_sharding(layout_records("zero3"), layer="activations")
+
+
+@pytest.mark.parametrize("view, rows, record", [
+    (ClusterView, rank_status, "RankStatus"), (plot_cluster, rank_status, "RankStatus"),
+    (CollectiveView, collective_records, "CollectiveRecord"), (_collective_view, collective_records, "CollectiveRecord")])
+def test_status_and_collective_records_of_another_shape_fail_naming_the_key(view, rows, record):
+    good = rows()
+    with pytest.raises(RecordShapeError, match=f"{record}: unknown key 'world'"):
+        view([{**good[0], "world": 4}] + good[1:])
+    with pytest.raises(RecordShapeError, match=f"{record}: missing key 'rank'"):
+        view([{k: v for k, v in r.items() if k != "rank"} for r in good])

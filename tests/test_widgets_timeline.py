@@ -11,7 +11,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from lab.measure import memory_records, predicted_memory
-from lab.records import MemoryRecord, TraceEvent
+from kernels.records import MemoryRecord, RecordShapeError, TraceEvent
 from lab.timeline import bubble, planned_order, simulate
 from tests.test_widgets import RecordingComm, fake_comm  # noqa: F401  (the shared fake comm fixture)
 from widgets.memory_view import CATEGORIES, MemoryView, _memory_state, plot_memory
@@ -288,11 +288,12 @@ def test_plot_memory_draws_a_measured_and_a_predicted_bar_per_rank():
 
 # --- the rules ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("module", ["widgets/pipeline_timeline.py", "widgets/memory_view.py"])
-def test_views_never_import_torch_kernels_or_lab(module):
+def test_views_never_import_torch_lab_or_rank_code(module):
     tree = ast.parse(Path(module).read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not imported & {"torch", "kernels", "lab"}
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m.split(".")[0] for m in imported} & {"torch", "lab"}
+    assert {m for m in imported if m.split(".")[0] == "kernels"} <= {"kernels.records"}  # the records, torch-free
 
 
 @pytest.mark.parametrize("js, classes", [
@@ -311,3 +312,21 @@ def test_views_of_no_records_are_empty_not_errors():
     assert view.ranks == [] and view.events["rank"] == [] and view.span_ms == 0.0 and view.bubble == {}
     memory = MemoryView()
     assert memory.ranks == [] and memory.bars == {} and memory.moment == "at_rest"
+
+
+@pytest.mark.parametrize("view, record", [
+    (lambda bad: PipelineTimeline(bad), "TraceEvent"), (lambda bad: plot_timeline(bad), "TraceEvent"),
+    (lambda bad: MemoryView(bad), "MemoryRecord"), (lambda bad: plot_memory(bad), "MemoryRecord")])
+def test_a_record_of_another_shape_fails_naming_the_record_and_the_key(view, record):
+    good = trace_events(pp=2, m=2) if record == "TraceEvent" else mem_records()
+    renamed = [{**{k: v for k, v in good[0].items() if k != "rank"}, "rank_id": good[0]["rank"]}] + good[1:]
+    with pytest.raises(RecordShapeError, match=f"{record}: unknown key 'rank_id'"):
+        view(renamed)
+    with pytest.raises(RecordShapeError, match=f"{record}: missing key 'rank'"):
+        view([{k: v for k, v in r.items() if k != "rank"} for r in good])
+
+
+def test_bubble_of_another_shape_fails_naming_the_key():
+    report = bubble(trace_events("1f1b", 2, 2), "1f1b", 2, 2).to_dict()
+    with pytest.raises(RecordShapeError, match="BubbleReport: unknown key 'idle_mean'"):
+        PipelineTimeline(trace_events(pp=2, m=2), {**report, "idle_mean": report["mean"]})

@@ -8,7 +8,7 @@ from ipyparallel.error import RemoteError
 
 import lab
 from lab.controls import Controls
-from lab.records import RankInfo, RankMap
+from kernels.records import RankInfo, RankMap
 from lab.supervise import Outcome, describe_failures
 from tests.conftest import start_pool
 

@@ -1,14 +1,18 @@
-"""Views only: widgets and matplotlib figures fed by plain records; never imports torch or kernels.
+"""Views only: widgets and matplotlib figures fed by records; never imports torch, lab or rank code.
+
+The record shapes are ``kernels.records`` (standard library only): each view takes the
+records or their ``to_dict()`` dicts, and checks dicts with ``from_dict``, so a record of
+another shape fails with the record's name and the key.
 
 Each view is an anywidget (live, in a notebook) with a matplotlib twin for static output:
 
-- ``ClusterView(ranks)`` / ``plot_cluster(ranks)``: RankStatus dicts, one card per rank;
-- ``CollectiveView(records)`` / ``plot_collective(records, op)``: ``run_collectives`` records
-  with the ring algorithm replayed on the real inputs;
-- ``ShardingView(layout)`` / ``plot_sharding(layout, layer)``: per-rank layout records;
+- ``ClusterView(ranks)`` / ``plot_cluster(ranks)``: RankStatus, one card per rank;
+- ``CollectiveView(records)`` / ``plot_collective(records, op)``: CollectiveRecord from
+  ``run_collectives``, with the ring algorithm replayed on the real inputs;
+- ``ShardingView(layout)`` / ``plot_sharding(layout, layer)``: LayoutRecord per rank;
 - ``PipelineTimeline(events, bubble, planned)`` / ``plot_timeline(events, bubble)``: TraceEvent
-  dicts, the measured bubble beside the theory, the planned order as an overlay;
-- ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord dicts, measured beside predicted.
+  records, the measured BubbleReport beside the theory, the planned order as an overlay;
+- ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord, measured beside predicted.
 """
 from widgets.cluster_view import ClusterView, plot_cluster
 from widgets.collective_view import CollectiveView, plot_collective

@@ -1,16 +1,8 @@
 """Pure transforms behind ShardingView: per-rank layout records -> which slice of each tensor a rank holds.
 
-A layout record is what ``kernels.train.train_rank`` returns as ``"layout"`` (one per
-rank; ``RunResult.layout`` is the list)::
-
-    {"rank": 3, "coords": {"pp": 0, "dp": 1, "tp": 1}, "strategy": "fsdp", "zero": 3, "hybrid": False,
-     "stage_ids": [1],                                  # pp only: the pipeline stages this rank runs ("stages" too)
-     "optimizer_params": ["tok_emb.weight", ...],       # zero1 only: names whose optimizer state it owns
-     "params": {"blocks.0.attn.q.weight": {"global_shape": [16, 16], "local_shape": [4, 16],
-                "placements": ["_S(0, 2)", "S(0)"], "mesh_axes": ["dp", "tp"], "dtype": "torch.float32",
-                "offset": [8, 0]}}}                     # offset optional: the local slice's start per dim
-
-``params`` may also be a list of ``{"name", ...}`` dicts. Placements are DTensor's short
+A layout record is what the ranks return as ``"layout"`` (one per rank; ``RunResult.layout``
+is the list): a ``kernels.records.LayoutRecord`` or its dict, checked by ``from_dict``; its
+``params`` map each name to a ``ParamLayout``. Placements are DTensor's short
 or long strings ("S(0)", "Shard(dim=0)", "_S(0, 2)" for FSDP's strided shard over a
 TP shard, "R", "Replicate()"). Without an ``offset`` the slice start is computed
 from the rank's mesh coordinates, as torch.chunk places shards (exact for even splits).
@@ -23,12 +15,14 @@ import re
 from collections import Counter
 from typing import Any
 
+from kernels.records import LayoutRecord
+
 _SHARD = re.compile(r"^(_S|_StridedShard|S|Shard)\((?:dim=)?(\d+)")
 DP_AXES = ("dp", "dp_shard", "dp_replicate")  # the axes FSDP all-gathers / reduce-scatters over
 
 
 def _records(layout: Any) -> list[dict[str, Any]]:
-    """Per-rank records, in rank order, from a list, a RunResult dict, {"ranks": [...]} or {rank: record}."""
+    """LayoutRecord dicts in rank order, from a list, a RunResult dict, {"ranks": [...]} or {rank: record}."""
     if isinstance(layout, dict):
         if "layout" in layout:
             layout = layout["layout"]
@@ -38,12 +32,11 @@ def _records(layout: Any) -> list[dict[str, Any]]:
             layout = [layout]
         else:
             layout = list(layout.values())
-    return sorted((dict(r) for r in layout), key=lambda r: r["rank"])
+    return sorted((LayoutRecord.coerce(r).to_dict() for r in layout), key=lambda r: r["rank"])
 
 
 def _params(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    params = record.get("params", {})
-    return list(params.items()) if isinstance(params, dict) else [(p["name"], p) for p in params]
+    return list(record["params"].items())
 
 
 def _shard_dim(placement: str) -> tuple[int, bool] | None:
@@ -61,8 +54,7 @@ def _shard_axes(info: dict[str, Any], dim: int, skip: tuple[str, ...] = ()) -> l
 
 def _axis_sizes(records: list[dict[str, Any]]) -> dict[str, int]:
     """Mesh axis sizes: pp/dp/tp from the coordinates, HSDP's dp_shard inferred from the local shapes."""
-    sizes = {a: 1 + max(r.get("coords", {}).get(a, 0) for r in records) for a in ("pp", "dp", "tp")}
-    explicit = next((r["replicate"] for r in records if r.get("replicate")), None)
+    sizes = {a: 1 + max(r["coords"].get(a, 0) for r in records) for a in ("pp", "dp", "tp")}
     votes: Counter = Counter()
     for r in records:
         for _, info in _params(r):
@@ -71,7 +63,7 @@ def _axis_sizes(records: list[dict[str, Any]]) -> dict[str, int]:
                 if "dp_shard" in axes and info["local_shape"][d]:
                     known = math.prod(sizes.get(a, 1) for a in axes if a != "dp_shard")
                     votes[max(1, math.ceil(info["global_shape"][d] / info["local_shape"][d]) // known)] += 1
-    shard = sizes["dp"] // explicit if explicit else (votes.most_common(1)[0][0] if votes else 1)
+    shard = votes.most_common(1)[0][0] if votes else 1
     return {**sizes, "dp_shard": shard, "dp_replicate": max(1, sizes["dp"] // shard)}
 
 
@@ -121,13 +113,13 @@ def _unit_order(unit: str) -> tuple[int, int]:
 
 def _row(record: dict[str, Any], names: list[str], sizes: dict[str, int], fsdp: bool) -> dict[str, Any]:
     """One rank: its extents per tensor for the parameters, the optimizer state and (FSDP) after an all-gather."""
-    held, coords = dict(_params(record)), record.get("coords", {})
+    held, coords = dict(_params(record)), record["coords"]
     params = [_extent(held[n], coords, sizes) if n in held else None for n in names]
-    owned = record.get("optimizer_params")  # ZeRO-1: whole parameters whose optimizer state this rank owns
+    owned = record["optimizer_params"]  # ZeRO-1: whole parameters whose optimizer state this rank owns
     optim = params if owned is None else [e if n in owned else None for n, e in zip(names, params)]
     gathered = [_extent(held[n], coords, sizes, DP_AXES) if n in held else None for n in names] if fsdp else []
-    return {"rank": record["rank"], "coords": coords, "strategy": record.get("strategy", ""),
-            "stages": list(record.get("stage_ids", record.get("stages", []))),
+    return {"rank": record["rank"], "coords": coords, "strategy": record["strategy"],
+            "stages": record["stage_ids"],
             "blocks": sorted({int(n.split(".")[1]) for n in held if _unit(n) != "root"}),
             "params": params, "optim": optim, "gathered": gathered}
 
@@ -140,8 +132,8 @@ def _sharding_view(layout: Any) -> dict[str, Any]:
     for r in records:
         for name, info in _params(r):
             tensors.setdefault(name, {"name": name, "shape": list(info["global_shape"]), "unit": _unit(name),
-                                      "placements": list(info.get("placements", [])),
-                                      "mesh_axes": list(info.get("mesh_axes", [])), "dtype": info.get("dtype", "")})
+                                      "placements": info["placements"], "mesh_axes": info["mesh_axes"],
+                                      "dtype": info["dtype"]})
     names = list(tensors)
     first = records[0] if records else {}
     fsdp = first.get("strategy") == "fsdp"

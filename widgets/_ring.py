@@ -17,12 +17,21 @@ import copy
 import math
 from typing import Any
 
+from kernels.records import CollectiveRecord
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
 
-def _group(records: list[Any]) -> dict[str, list[dict[str, Any]]]:
-    """{op: records in rank order}; accepts a flat list or one list per rank (as cluster.run returns)."""
+def _flat(records: list[Any]) -> list[dict[str, Any]]:
+    """CollectiveRecord dicts, each checked by ``from_dict``, from a flat list or one list per rank (as
+    cluster.run returns them)."""
     flat = [r for item in records for r in (item if isinstance(item, list) else [item])]
+    return [CollectiveRecord.coerce(r).to_dict() for r in flat]
+
+
+def _group(records: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """{op: records in rank order}."""
+    flat = _flat(records)
     out: dict[str, list[dict[str, Any]]] = {}
     for rec in sorted(flat, key=lambda r: r["rank"]):
         out.setdefault(rec["op"], []).append(rec)

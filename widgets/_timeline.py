@@ -5,9 +5,10 @@ for the record shapes).
 """
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import Any
 
+from kernels.records import BubbleReport, TraceEvent
 
 LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
 KINDS = {"F": "forward", "B": "backward", "I": "backward", "W": "backward_weight"}
@@ -15,16 +16,13 @@ COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
 COLUMNS = ("rank", "stage", "kind", "mb", "start", "end", "peer", "nbytes")
 
 
-def _plain(x: Any) -> dict[str, Any]:
-    return x.to_dict() if hasattr(x, "to_dict") else dict(x)
-
-
 def _event_dicts(events: Any) -> list[dict[str, Any]]:
-    """Event dicts from event dicts/records, or from rank records holding ``"events"`` (list or {rank: ...})."""
+    """TraceEvent dicts from TraceEvents (or their dicts), or from rank trace records holding ``"events"``
+    (a list of them or {rank: record}); each event is checked by ``TraceEvent.from_dict``."""
     out: list[dict[str, Any]] = []
     for item in (events.values() if isinstance(events, dict) else events):
-        d = _plain(item)
-        out.extend(_plain(e) for e in d["events"]) if "events" in d else out.append(d)
+        inner = item["events"] if isinstance(item, Mapping) and "events" in item else [item]
+        out.extend(TraceEvent.coerce(e).to_dict() for e in inner)
     return out
 
 
@@ -117,7 +115,7 @@ def _plan_match(cols: dict[str, Any], planned: dict | None) -> dict[str, bool]:
 def _timeline_state(events: Any, bubble: Any = None, planned: dict | None = None,
                     step: int | None = None) -> dict[str, Any]:
     """Everything PipelineTimeline syncs, JSON-only: ranks, events (columns), planned, mean_ms, span_ms, bubble."""
-    report = json.loads(json.dumps(_plain(bubble))) if bubble is not None else {}
+    report = BubbleReport.coerce(bubble).to_dict() if bubble is not None else {}
     cols = _columns(events, report.get("step") if step is None else step)
     mean = _mean_ms(cols)
     origin = min((s for s, k in zip(cols["start"], cols["kind"]) if k in KINDS), default=0.0)

@@ -1,8 +1,8 @@
 """ClusterView: the ranks as a live grid, one card per rank, grouped by host.
 
-Input: ``lab.records.RankStatus.to_dict()`` dicts, ``{rank, host, pid, device, backend,
-threads, state, detail, rss_bytes}`` with state one of idle | busy | failed | dead (failed and
-dead are drawn red). ``update(ranks)`` replaces the trait, so the view redraws live.
+Input: ``kernels.records.RankStatus`` records or their ``to_dict()`` dicts (checked by
+``RankStatus.from_dict``), with state one of idle | busy | failed | dead (failed and dead
+are drawn red). ``update(ranks)`` replaces the trait, so the view redraws live.
 """
 from __future__ import annotations
 
@@ -12,19 +12,18 @@ from typing import Any
 import anywidget
 import traitlets
 
+from kernels.records import RankStatus
+
 _STATIC = pathlib.Path(__file__).parent / "static"
 STATES = ("idle", "busy", "failed", "dead")
-_FIELDS = {"rank": 0, "host": "", "pid": 0, "device": "", "backend": "", "threads": 0, "state": "idle", "detail": "",
-           "rss_bytes": None}
 _COLORS = {"idle": "#9e9e9e", "busy": "#2f6fd0", "failed": "#c62828", "dead": "#7f0000"}
 
 
 def _cluster_state(ranks: list[Any]) -> list[dict[str, Any]]:
-    """Rank dicts (or records with ``to_dict``) -> plain dicts with every field, in rank order."""
+    """RankStatus records (or their dicts) -> plain dicts with every field, in rank order."""
     out = []
     for r in ranks:
-        d = r.to_dict() if hasattr(r, "to_dict") else dict(r)
-        row = {k: d.get(k, default) for k, default in _FIELDS.items()}
+        row = RankStatus.coerce(r).to_dict()
         if row["state"] not in STATES:
             raise ValueError(f"rank {row['rank']}: state {row['state']!r} is not one of {STATES}")
         out.append(row)

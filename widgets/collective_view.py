@@ -1,10 +1,10 @@
 """CollectiveView: the ranks' real collective results, stepped through as a ring animation.
 
-Input: the records ``kernels.collectives.run_collectives()`` returns on every rank,
-``{"op", "rank", "input": [float], "output": [float]}`` (a flat list, or one list per
-rank as ``cluster.run`` gives them). ``widgets._ring`` replays the ring algorithm on
-the real inputs; a twin whose final values differ from the real outputs is shown in
-red (``.cl-mismatch``), never hidden.
+Input: the records ``kernels.collectives.run_collectives()`` returns on every rank:
+``kernels.records.CollectiveRecord`` dicts (checked by its ``from_dict``) or records, a
+flat list or one list per rank as ``cluster.run`` gives them. ``widgets._ring`` replays
+the ring algorithm on the real inputs; a twin whose final values differ from the real
+outputs is shown in red (``.cl-mismatch``), never hidden.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from widgets._ring import _cells_at, _collective_view
+from widgets._ring import _cells_at, _collective_view, _flat
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
@@ -25,14 +25,14 @@ class CollectiveView(anywidget.AnyWidget):
     _esm = _STATIC / "collective_view.js"
     _css = _STATIC / "collective_view.css"
 
-    records = traitlets.List().tag(sync=True)  # the raw {op, rank, input, output} records
+    records = traitlets.List().tag(sync=True)  # CollectiveRecord dicts, one flat list
     ops = traitlets.List().tag(sync=True)  # derived: _ring._collective_view(records)
     op = traitlets.Unicode("").tag(sync=True)  # the op on screen
     frame = traitlets.Int(0).tag(sync=True)  # the step on screen (0 = inputs)
     interval_ms = traitlets.Int(900).tag(sync=True)  # play speed
 
     def __init__(self, records: list[Any] | None = None, **kwargs: Any) -> None:
-        records = _plain(records or [])
+        records = _flat(records or [])
         super().__init__(records=records, **kwargs)  # the observer derives ops before the comm opens
 
     @traitlets.observe("records")
@@ -65,11 +65,6 @@ class CollectiveView(anywidget.AnyWidget):
     def ok(self) -> bool:
         """True when every op's ring twin ends with the ranks' real outputs."""
         return all(v["ok"] for v in self.ops)
-
-
-def _plain(records: list[Any]) -> list[Any]:
-    """Nested lists of dicts, copied (records may be lists per rank)."""
-    return [_plain(r) if isinstance(r, list) else dict(r) for r in records]
 
 
 def plot_collective(records: list[Any], op: str = "all_reduce"):

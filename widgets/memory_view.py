@@ -1,7 +1,7 @@
 """MemoryView: what each rank holds, by category, measured beside predicted (DESIGN §3 "Memory categories").
 
-Input: ``lab.records.MemoryRecord.to_dict()`` dicts ``{rank, moment, category, measured,
-predicted, formula, note}`` in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
+Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
+``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_max_allocated`` (any other
 category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
@@ -18,16 +18,14 @@ from typing import Any
 import anywidget
 import traitlets
 
+from kernels.records import MemoryRecord
+
 _STATIC = pathlib.Path(__file__).parent / "static"
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations",
           "other": "other"}
 COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759", "other": "#bab0ac"}
 MOMENTS = ("at_rest", "peak_fwd_bwd")
-
-
-def _plain(x: Any) -> dict[str, Any]:
-    return x.to_dict() if hasattr(x, "to_dict") else dict(x)
 
 
 def _add(into: dict[str, Any], key: str, value: float | None) -> None:
@@ -63,7 +61,7 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _memory_state(records: Any) -> dict[str, Any]:
     """{ranks, moments, categories, bars: {moment: [bar per rank]}, scale}: what MemoryView draws, JSON-only."""
-    rows = [_plain(r) for r in records]
+    rows = [MemoryRecord.coerce(r).to_dict() for r in records]
     found = {r["moment"] for r in rows}
     moments = [m for m in MOMENTS if m in found] + sorted(found - set(MOMENTS))
     ranks = sorted({r["rank"] for r in rows})

@@ -1,12 +1,11 @@
 """PipelineTimeline: one measured pipeline step per rank, replayed in event order beside the plan.
 
-Inputs (plain dicts; objects with ``to_dict`` work too):
+Inputs (``kernels.records`` records, or their ``to_dict()`` dicts, checked by ``from_dict``):
 
-- ``events``: ``lab.records.TraceEvent.to_dict()`` dicts ``{rank, stage, kind, microbatch,
-  start, end, action, step, peer, nbytes}`` in seconds on clocks aligned to rank 0, or
-  the rank records ``{"events": [...], ...}`` that hold them. One step is shown (the
+- ``events``: ``TraceEvent`` records in seconds on clocks aligned to rank 0, or the rank
+  trace records ``{"events": [...], ...}`` that hold them. One step is shown (the
   bubble's, else the last).
-- ``bubble``: ``BubbleReport.to_dict()``, shown unchanged (DESIGN §3: per-rank idle, mean,
+- ``bubble``: a ``BubbleReport``, shown unchanged (DESIGN §3: per-rank idle, mean,
   theory ``(p-1)/(m+p-1)`` and Megatron's ``(p-1)/m``; synthetic or real compute).
 - ``planned``: ``{rank: [[stage, "F"|"B"|"I"|"W", microbatch], ...]}`` (``lab.timeline.planned_order``
   for GPipe/1F1B, torch's ``record["planned"]`` otherwise), laid out with the measured

@@ -1,34 +1,64 @@
-"""Plain records that cross the lines between ranks, driver and views.
+"""Plain records that cross the lines between ranks, driver and views: defined here, once.
 
-Every record is a frozen dataclass of JSON-able fields with ``to_dict``/``from_dict``,
-so a saved run can be replayed by the views without any rank or any torch import.
-This is the one module that defines them.
+Every record is a frozen dataclass of JSON-able fields with ``to_dict``/``from_dict``, so a
+saved run can be replayed by the views without any rank or any torch import. The ranks
+write them (as dicts), the driver passes them on, and the widgets read them through
+``from_dict``: a key the record does not know, or a required key that is missing, raises
+``RecordShapeError`` naming the record and the key, so a change of shape on the ranks
+fails loudly instead of drawing nothing. Standard library only: the widgets import this.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, TypeVar
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T", bound="Record")
+
+
+class RecordShapeError(ValueError):
+    """A dict does not have the shape of the record it should be (unknown or missing keys)."""
 
 
 class Record:
     """Mixin: conversion to and from plain dicts (tuples become lists in JSON)."""
 
+    _nested: ClassVar[dict[str, type["Record"]]] = {}  # field -> record type of its items (tuple or dict of them)
+
     def to_dict(self) -> dict[str, Any]:
-        """Return the record as a JSON-able dict."""
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """Return the record as a JSON-able dict, equal to itself after a JSON round trip (lists, not tuples)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-        """Build the record from a dict made by ``to_dict`` (or read back from JSON)."""
-        kwargs = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name in data:
-                value = data[f.name]
-                kwargs[f.name] = tuple(value) if isinstance(value, list) else value
-        return cls(**kwargs)
+    def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
+        """Build the record from a dict made by ``to_dict`` (or read back from JSON); strict about its keys."""
+        if not isinstance(data, Mapping):
+            raise RecordShapeError(f"{cls.__name__}: expected a dict, got {type(data).__name__} {data!r:.80}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        for key in data:
+            if key not in fields:
+                raise RecordShapeError(f"{cls.__name__}: unknown key {key!r}; its keys are {list(fields)}")
+        for name, f in fields.items():
+            if name not in data and f.default is f.default_factory is dataclasses.MISSING:
+                raise RecordShapeError(f"{cls.__name__}: missing key {name!r}")
+        return cls(**{k: cls._field_value(k, v) for k, v in data.items()})
+
+    @classmethod
+    def _field_value(cls, name: str, value: Any) -> Any:
+        """JSON lists back to tuples; nested record dicts back to records."""
+        inner = cls._nested.get(name)
+        if inner is not None and isinstance(value, Mapping):
+            return {k: inner.coerce(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return tuple(inner.coerce(v) for v in value) if inner is not None else tuple(value)
+        return value
+
+    @classmethod
+    def coerce(cls: type[T], item: Any) -> T:
+        """``item`` if it is already this record, else ``from_dict(item)`` (records or their dicts both work)."""
+        return item if isinstance(item, cls) else cls.from_dict(item)
 
 
 @dataclass(frozen=True)
@@ -67,6 +97,8 @@ class RankMap(Record):
     master_addr: str
     note: str = ""  # why this backend was chosen, shown to the user
 
+    _nested: ClassVar[dict[str, type[Record]]] = {"ranks": RankInfo}
+
     @property
     def world_size(self) -> int:
         """Number of ranks."""
@@ -82,13 +114,6 @@ class RankMap(Record):
         for r in self.ranks:
             out.setdefault(r.host, []).append(r.rank)
         return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RankMap":
-        """Build the map, and its ranks, from a dict made by ``to_dict``."""
-        ranks = tuple(RankInfo.from_dict(r) for r in data["ranks"])
-        return cls(ranks=ranks, backend=data["backend"], master_addr=data["master_addr"],
-                   note=data.get("note", ""))
 
 
 @dataclass(frozen=True)
@@ -112,7 +137,7 @@ class RankFailure(Record):
 
     rank: int
     host: str
-    ename: str  # exception class name, or "Dead" / "Timeout"
+    ename: str  # exception class name, or "EngineDied" (the engine process is gone) / "Timeout"
     evalue: str
     traceback: str
     collateral: bool = False  # failed only because a peer left a collective
@@ -207,7 +232,9 @@ class CommRecord(Record):
     algbw: float  # payload_bytes / seconds, bytes/s
     busbw: float  # algbw × busbw factor, bytes/s
     predicted_payload_bytes: float | None = None  # the analytic volume of DESIGN §3
-    source: str = ""  # "dist" (torch.distributed call) | "funcol" (DTensor functional collective)
+    # "dist" (torch.distributed call) | "funcol" (DTensor functional collective) |
+    # "pipeline" (a pipeline stage's boundary send, counted without its time)
+    source: str = ""
     note: str = ""
 
 
@@ -223,3 +250,49 @@ class BenchRecord(Record):
     algbw: float  # size_bytes / seconds, bytes/s
     busbw: float  # algbw × factor, bytes/s
     factor: float  # nccl-tests: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, else 1
+
+
+@dataclass(frozen=True)
+class CollectiveRecord(Record):
+    """One collective run once on one rank with inputs checkable by hand (``kernels.collectives``)."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | broadcast | send_recv
+    rank: int
+    input: tuple[float, ...]  # what this rank contributed, a function of (op, rank, world) alone
+    output: tuple[float, ...]  # what the real collective left on this rank
+
+
+@dataclass(frozen=True)
+class ParamLayout(Record):
+    """How one parameter lies on one rank: DTensor's view of it (``kernels.fsdp.describe_params``)."""
+
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]  # the slice this rank holds
+    placements: tuple[str, ...]  # str() of each DTensor placement per mesh axis ("S(0)", "_S(0, 2)", "R"); () plain
+    mesh_axes: tuple[str, ...]  # the mesh axis names the placements refer to, same order
+    dtype: str  # str(torch dtype) of the local tensor, e.g. "torch.float32"
+    offset: Any = None  # the slice's start: one int per dim, or an int for dim 0; None: computed from the coords
+
+
+@dataclass(frozen=True)
+class LayoutRecord(Record):
+    """The layout one rank really built (``RunResult.layout[rank]``), read by the sharding view.
+
+    strategy: ddp | zero1 | fsdp | tp | ... ; "pp-<schedule>" on pipeline ranks (the dp
+    layout inside is ``dp_strategy``); "idle" for a rank beyond the world; "reference" for
+    the one-process run.
+    """
+
+    rank: int
+    strategy: str
+    coords: dict[str, int] = field(default_factory=dict)  # mesh axis -> this rank's index (pp, dp, tp)
+    zero: int = 0  # ZeRO stage of the data-parallel layout
+    hybrid: bool = False  # HSDP: sharded within dp_shard groups, replicated across dp_replicate
+    params: dict[str, ParamLayout] = field(default_factory=dict)  # parameter name -> its layout here
+    optimizer_params: tuple[str, ...] | None = None  # ZeRO-1: names whose optimizer state this rank owns
+    dp_strategy: str = ""  # pipeline ranks: the data-parallel layout of each stage
+    schedule: str = ""  # pipeline ranks: the schedule's name
+    stage_ids: tuple[int, ...] = ()  # pipeline ranks: global stage indices held, in placement order
+    stage_layers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # str(stage) -> its block indices
+
+    _nested: ClassVar[dict[str, type[Record]]] = {"params": ParamLayout}
