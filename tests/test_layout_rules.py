@@ -1,4 +1,4 @@
-"""The layout vocabulary (kernels.layout_rules) against its definitions and against torch's own schedules.
+"""The layout vocabulary (kernels.layout_rules) and the schedule simulation against its definitions and against torch's own schedules.
 
 Fast: no ranks. torch is imported here only to check that the rules agree with
 ``torch.distributed.pipelining`` (the module itself never imports it).
@@ -19,6 +19,7 @@ from kernels.layout_rules import (CLOSED_FORM_BUBBLE_SCHEDULES, FSDP_STRATEGY_ZE
                                   bubble_theory, canonical_schedule, default_microbatches,
                                   default_stages_per_rank, hsdp_split, layer_split, microbatch_problems,
                                   stage_ids, stage_problems, zero_stage)
+from kernels.schedule_simulation import lay_out
 
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
@@ -198,3 +199,11 @@ def test_hsdp_split_takes_an_explicit_replicate_degree():
     for bad in (3, 0, 16):
         with pytest.raises(ValueError, match="must divide dp=8"):
             hsdp_split(8, bad)
+
+
+def test_schedule_simulation_raises_on_a_deadlock_or_forces_it_when_asked():
+    crossed = {0: [(0, "B", 0)], 1: [(1, "F", 0)]}  # stage 0's backward first: it waits for stage 1 forever
+    with pytest.raises(ValueError, match="deadlock"):
+        lay_out(crossed, {"F": 1.0, "B": 2.0})
+    placed = lay_out(crossed, {"F": 1.0, "B": 2.0}, force_when_stuck=True)
+    assert [(p.rank, p.letter, p.start, p.end) for p in placed] == [(0, "B", 0.0, 2.0), (1, "F", 0.0, 1.0)]

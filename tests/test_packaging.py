@@ -13,23 +13,41 @@ from lab._shadow_guard import ShadowedPackageError, check_own_packages
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def imported_modules(path: Path) -> set[str]:
+    """Dotted names of the absolute imports in one file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
 def imported_top_levels(package: str) -> dict[str, set[str]]:
-    found = {}
-    for path in (ROOT / package).rglob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module.split(".")[0])
-        found[str(path.relative_to(ROOT))] = names
-    return found
+    return {str(path.relative_to(ROOT)): {n.split(".")[0] for n in imported_modules(path)}
+            for path in (ROOT / package).rglob("*.py")}
 
 
-@pytest.mark.parametrize("package, forbidden", [("kernels", {"lab", "widgets"}), ("widgets", {"torch", "kernels"})])
+def torch_free(module: str) -> bool:
+    """True when a kernels module and every kernels module it imports import no torch."""
+    names = imported_modules(ROOT / (module.replace(".", "/") + ".py"))
+    tops = {n.split(".")[0] for n in names}
+    return "torch" not in tops and all(torch_free(n) for n in names if n.startswith("kernels."))
+
+
+@pytest.mark.parametrize("package, forbidden", [("kernels", {"lab", "widgets"}), ("widgets", {"torch", "lab"})])
 def test_layers_never_import_across_the_forbidden_lines(package, forbidden):
     offenders = {f: names & forbidden for f, names in imported_top_levels(package).items() if names & forbidden}
     assert not offenders, f"{package} must not import {sorted(forbidden)}: {offenders}"
+
+
+def test_widgets_import_only_torch_free_kernels_modules():
+    # The views share the layout vocabulary and the schedule simulation with the ranks, never torch.
+    used = {n for path in (ROOT / "widgets").rglob("*.py") for n in imported_modules(path) if n.startswith("kernels")}
+    assert "kernels" not in used, "import a kernels module by name, not the package"
+    offenders = sorted(n for n in used if not torch_free(n))
+    assert not offenders, f"widgets import kernels modules that need torch: {offenders}"
 
 
 def test_guard_accepts_this_checkout():
