@@ -224,7 +224,7 @@ def _notes(spec: ModelSpec, lay: Layout, record: dict[str, Any], cfg: dict[str, 
            f"computed from the same shard numel (gradient = parameter dtype, optimizer K="
            f"{cfg['optimizer_bytes_per_param']:g} bytes/parameter)"]
     if record["coords"]["pp"] != 0:
-        out.append("the plan's memory is its busiest pipeline rank's; this rank is pipeline rank "
+        out.append("the plan's memory is its busiest pipeline rank's; this rank is on stage "
                    f"{record['coords']['pp']}")
     if lay.pp > 1:
         out.append("the plan spreads embeddings and head evenly over stages; here they sit on the "
