@@ -33,4 +33,5 @@ def html(cluster: Any) -> str:
     note_html = f"<p><i>{_html.escape(note)}</i></p>" if note else ""
     return (f"<div class='cluster-lab-ranks'><b>Cluster</b>: {ranks(cluster.world_size)}, "
             f"backend <code>{cluster.backend}</code><table><thead><tr>"
-            + "".join(f"<th>{c}</th>" for c in COLUMNS) + f"</tr></thead><tbody>{body}</tbody></table>{note_html}</div>")
+            + "".join(f"<th>{c}</th>" for c in COLUMNS)
+            + f"</tr></thead><tbody>{body}</tbody></table>{note_html}</div>")

@@ -152,9 +152,8 @@ class Parallel:
                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)]
         if bad:
             return [("positive-sizes", f"sizes must be positive ints: {', '.join(bad)}")]
-        if self.schedule not in SCHEDULES:
-            return [("unknown-schedule",
-                     f"unknown schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")]
+        if self.schedule not in SCHEDULES:  # the defaults below depend on a known schedule
+            return stage_problems(self.schedule, 1)
         return self._schedule_problems() + self._sharding_problems()
 
     def _schedule_problems(self) -> list[tuple[str, str]]:
@@ -176,8 +175,9 @@ class Parallel:
         if self.fsdp_strategy == "hybrid" and self.dp < 2:
             out.append(("hybrid-dp", f"hybrid sharding splits dp into replicate x shard, needs dp >= 2, got dp={self.dp}"))
         if self.dp_replicate is not None and (self.fsdp_strategy != "hybrid" or self.dp % self.dp_replicate):
-            out.append(("dp-replicate", f"dp_replicate={self.dp_replicate} needs fsdp_strategy 'hybrid' and must "
-                        f"divide dp={self.dp} (dp = dp_replicate * dp_shard); got fsdp_strategy={self.fsdp_strategy!r}"))
+            out.append(("dp-replicate", f"dp_replicate={self.dp_replicate} needs fsdp_strategy 'hybrid' and "
+                        f"must divide dp={self.dp} (dp = dp_replicate * dp_shard); "
+                        f"got fsdp_strategy={self.fsdp_strategy!r}"))
         if self.mixed_precision not in MIXED_PRECISION:
             out.append(("mixed-precision", f"mixed_precision must be None or 'bf16', got {self.mixed_precision!r}"))
         if self.cpu_offload and self._zero_in_effect() != 3:

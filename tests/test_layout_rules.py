@@ -1,4 +1,5 @@
-"""The layout vocabulary (kernels.layout_rules) and the schedule simulation against its definitions and against torch's own schedules.
+"""The layout vocabulary (kernels.layout_rules) and the schedule simulation, against their
+definitions and against torch's own schedules.
 
 Fast: no ranks. torch is imported here only to check that the rules agree with
 ``torch.distributed.pipelining`` (the module itself never imports it).
@@ -84,7 +85,8 @@ def test_stage_placement_examples():
 
 @pytest.mark.parametrize("schedule, v, rule", [
     ("gpipe", 2, "single-stage-schedule"), ("1f1b", 2, "single-stage-schedule"),
-    ("interleaved_1f1b", 1, "interleaved-stages-per-rank"), ("interleaved_zero_bubble", 1, "interleaved-stages-per-rank"),
+    ("interleaved_1f1b", 1, "interleaved-stages-per-rank"),
+    ("interleaved_zero_bubble", 1, "interleaved-stages-per-rank"),
     ("zbv", 3, "v-schedule-stages"), ("dualpipev", 1, "v-schedule-stages")])
 def test_stage_counts_a_schedule_cannot_run(schedule, v, rule):
     assert [r for r, _ in stage_problems(schedule, v)] == [rule]
