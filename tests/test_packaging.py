@@ -13,8 +13,29 @@ from lab._shadow_guard import ShadowedPackageError, check_own_packages
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def imported_top_levels(package: str) -> dict[str, set[str]]:
+    found = {}
+    for path in (ROOT / package).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+# Rank-side modules the driver and the widgets may import: records and layout vocabulary, standard library only.
+TORCH_FREE = ("kernels.records", "kernels.layout_rules", "kernels.run_config", "kernels.schedule_simulation")
+
+
+def torch_free_modules() -> list[str]:
+    return [m for m in TORCH_FREE if (ROOT / (m.replace(".", "/") + ".py")).exists()]
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Dotted names of the absolute imports in one file."""
+    """Every absolute module name a file imports (``from a.b import c`` gives ``a.b``)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -24,16 +45,10 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def imported_top_levels(package: str) -> dict[str, set[str]]:
-    return {str(path.relative_to(ROOT)): {n.split(".")[0] for n in imported_modules(path)}
-            for path in (ROOT / package).rglob("*.py")}
-
-
-def torch_free(module: str) -> bool:
-    """True when a kernels module and every kernels module it imports import no torch."""
-    names = imported_modules(ROOT / (module.replace(".", "/") + ".py"))
-    tops = {n.split(".")[0] for n in names}
-    return "torch" not in tops and all(torch_free(n) for n in names if n.startswith("kernels."))
+def not_stdlib(path: Path) -> set[str]:
+    """What a file imports beyond the standard library and the torch-free kernels modules."""
+    return {m for m in imported_modules(path)
+            if m.split(".")[0] not in sys.stdlib_module_names and m not in TORCH_FREE and m != "__future__"}
 
 
 @pytest.mark.parametrize("package, forbidden", [("kernels", {"lab", "widgets"}), ("widgets", {"torch", "lab"})])
@@ -42,12 +57,25 @@ def test_layers_never_import_across_the_forbidden_lines(package, forbidden):
     assert not offenders, f"{package} must not import {sorted(forbidden)}: {offenders}"
 
 
-def test_widgets_import_only_torch_free_kernels_modules():
-    # The views share the layout vocabulary and the schedule simulation with the ranks, never torch.
-    used = {n for path in (ROOT / "widgets").rglob("*.py") for n in imported_modules(path) if n.startswith("kernels")}
-    assert "kernels" not in used, "import a kernels module by name, not the package"
-    offenders = sorted(n for n in used if not torch_free(n))
-    assert not offenders, f"widgets import kernels modules that need torch: {offenders}"
+def test_widgets_import_only_the_torch_free_kernels_modules():
+    offenders = {str(p.relative_to(ROOT)): rank_code for p in (ROOT / "widgets").rglob("*.py")
+                 if (rank_code := {m for m in imported_modules(p) if m.split(".")[0] == "kernels"} - set(TORCH_FREE))}
+    assert not offenders, f"widgets may import only {TORCH_FREE} from kernels: {offenders}"
+
+
+@pytest.mark.parametrize("module", torch_free_modules())
+def test_torch_free_kernels_modules_import_only_the_standard_library(module):
+    assert not not_stdlib(ROOT / (module.replace(".", "/") + ".py"))
+    code = (f"import sys, {module}; heavy = [m for m in ('torch', 'numpy', 'lab', 'widgets') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_standard_library_check_catches_a_heavy_import(tmp_path):
+    path = tmp_path / "records.py"
+    path.write_text("import json\nfrom dataclasses import field\nimport numpy as np\nfrom torch import nn\n"
+                    "from kernels.records import Record\nfrom kernels.model import GPT\n")
+    assert not_stdlib(path) == {"numpy", "torch", "kernels.model"}
 
 
 def test_guard_accepts_this_checkout():
