@@ -14,7 +14,8 @@ from typing import Any
 import ipywidgets as w
 
 from lab.experiment import Experiment
-from lab.parallel import SCHEDULES, Parallel, ParallelConfigError
+from kernels.layout_rules import SCHEDULES
+from lab.parallel import Parallel, ParallelConfigError
 from lab.run_result import RunResult
 from widgets import ShardingView
 
@@ -35,7 +36,7 @@ class Controls:
             "zero": w.Dropdown(options=[0, 1, 2, 3], value=p.zero, description="ZeRO"),
             "schedule": w.Dropdown(options=list(SCHEDULES), value=p.schedule, description="schedule"),
             "microbatches": w.IntSlider(value=p.num_microbatches, min=1, max=32, description="micro-batches"),
-            "virtual_stages": w.IntSlider(value=p.stages_per_rank, min=1, max=4, description="stages/rank"),
+            "stages_per_rank": w.IntSlider(value=p.num_stages_per_rank, min=1, max=4, description="stages/rank"),
             "sequence_parallel": w.Checkbox(value=p.sequence_parallel, description="sequence parallel"),
             "activation_checkpointing": w.Checkbox(value=p.activation_checkpointing, description="act. ckpt"),
         }

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from lab.plan_math import GB, optimizer_bytes
-from lab.plan_mesh import Layout, hybrid_shard_size, layout_from
+from lab.plan_mesh import Layout, layout_from
 from lab.plan_models import ModelSpec, get_model
 from lab.planner import Plan, plan
 
@@ -163,7 +163,7 @@ def dry_run(plan_or_parallel: Plan | Any, model: str | ModelSpec | Mapping[str, 
     if lay.world != gpus:
         raise ValueError(f"dp*tp*pp = {lay.dp}*{lay.tp}*{lay.pp} = {lay.world} must equal gpus={gpus}")
     k = optimizer_bytes(optimizer, dtype)
-    cfg = _rank_config(spec, lay, rank, dtype, k, gpus_per_node)
+    cfg = _rank_config(spec, lay, rank, dtype, k)
     start = time.perf_counter()
     record = run_rank_subprocess(cfg, timeout)
     wall = time.perf_counter() - start
@@ -196,13 +196,12 @@ def _layout(parallel: Any, gpus: int | None) -> Layout:
     return layout_from(parallel)
 
 
-def _rank_config(spec: ModelSpec, lay: Layout, rank: int, dtype: str, k: float,
-                 gpus_per_node: int) -> dict[str, Any]:
-    """The JSON config kernels.dry_run takes."""
+def _rank_config(spec: ModelSpec, lay: Layout, rank: int, dtype: str, k: float) -> dict[str, Any]:
+    """The JSON config kernels.dry_run takes ("hybrid_shard": HSDP's dp_shard, 0 without hybrid)."""
     hybrid = lay.fsdp_strategy == "hybrid"
     return {"model": {key: getattr(spec, key) for key in _MODEL_KEYS}, "dp": lay.dp, "tp": lay.tp,
             "pp": lay.pp, "zero": lay.zero, "rank": int(rank), "dtype": dtype, "optimizer_bytes_per_param": k,
-            "hybrid_shard": hybrid_shard_size(lay.dp, lay.tp, gpus_per_node) if hybrid else 0}
+            "hybrid_shard": lay.dp_shard if hybrid else 0}
 
 
 def run_rank_subprocess(cfg: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -225,7 +224,7 @@ def _notes(spec: ModelSpec, lay: Layout, record: dict[str, Any], cfg: dict[str, 
            f"computed from the same shard numel (gradient = parameter dtype, optimizer K="
            f"{cfg['optimizer_bytes_per_param']:g} bytes/parameter)"]
     if record["coords"]["pp"] != 0:
-        out.append("the plan sizes pipeline stage 0 (its busiest rank); this rank is on stage "
+        out.append("the plan's memory is its busiest pipeline rank's; this rank is on stage "
                    f"{record['coords']['pp']}")
     if lay.pp > 1:
         out.append("the plan spreads embeddings and head evenly over stages; here they sit on the "

@@ -14,9 +14,9 @@ Two kinds of checks:
   returns warnings for layouts that are valid but wasteful.
 
 Every rule has a short name (the keys of ``RULES``); error messages start with
-``[name]`` so tests, widgets and users can tell them apart. The pipeline rules
-follow torch 2.13's own checks in ``torch.distributed.pipelining.schedules``.
-This module imports neither torch nor ``kernels``.
+``[name]`` so tests, widgets and users can tell them apart. The schedule, placement,
+micro-batch, ZeRO and HSDP rules come from ``kernels.layout_rules``, which the ranks
+use too (its micro-batch rules are torch 2.13's own checks). No torch here.
 """
 from __future__ import annotations
 
@@ -24,37 +24,33 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-             "interleaved_zero_bubble", "zbv", "dualpipev")
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank (PipelineScheduleSingle)
-INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
-V_SCHEDULES = ("zbv", "dualpipev")  # stages rank and 2p-1-rank on each rank
-FSDP_STRATEGIES = ("full", "grad_op", "no_shard", "hybrid")
+from kernels.layout_rules import (FSDP_STRATEGIES, FSDP_STRATEGY_ZERO, SCHEDULES, default_microbatches,
+                                  default_stages_per_rank, hsdp_split, microbatch_problems, stage_problems,
+                                  zero_stage)
+
 MIXED_PRECISION = (None, "bf16")
 
-# The ZeRO stage that each FSDP strategy is (hybrid shards within a group like ZeRO-2/3).
-_FSDP_ZERO = {"no_shard": (0,), "grad_op": (2,), "full": (3,), "hybrid": (2, 3)}
-
 RULES = {
-    "positive-sizes": "dp, tp, pp, microbatches and virtual_stages must be positive ints",
+    "positive-sizes": "dp, tp, pp, microbatches, stages_per_rank and dp_replicate must be positive ints",
     "world-size": "dp * tp * pp must equal the world size",
     "tp-heads": "the number of heads must be divisible by tp",
     "tp-d-model": "d_model must be divisible by tp",
     "tp-d-ff": "d_ff must be divisible by tp",
-    "pp-layers": "layers must be divisible by the number of stages pp * virtual_stages",
+    "pp-layers": "layers must be divisible by the number of stages pp * stages_per_rank",
     "pp-microbatches": "microbatches must be at least pp (gpipe with 1 is naive model parallelism)",
     "unknown-schedule": "the schedule must be one of SCHEDULES",
-    "single-stage-schedule": "gpipe and 1f1b run exactly one stage per rank (virtual_stages == 1)",
+    "single-stage-schedule": "gpipe and 1f1b run exactly one stage per rank (stages_per_rank == 1)",
     "1f1b-microbatches": "Schedule1F1B needs microbatches >= the number of stages",
-    "interleaved-virtual-stages": "interleaved schedules need virtual_stages >= 2",
+    "interleaved-stages-per-rank": "interleaved schedules need stages_per_rank >= 2",
     "interleaved-rounds": "interleaved schedules need microbatches % max(1, microbatches // pp) == 0",
-    "v-schedule-stages": "zbv and dualpipev need exactly 2 stages per rank (virtual_stages == 2)",
+    "v-schedule-stages": "zbv and dualpipev need exactly 2 stages per rank (stages_per_rank == 2)",
     "dualpipev-microbatches": "DualPipeV needs microbatches >= the number of stages",
     "global-batch": "global_batch must be divisible by dp * microbatches",
     "zero-stage": "zero must be 0, 1, 2 or 3",
     "fsdp-strategy": "fsdp_strategy must be None or one of FSDP_STRATEGIES",
     "zero-fsdp-agree": "zero and fsdp_strategy given together must agree (2: grad_op, 3: full)",
     "hybrid-dp": "hybrid sharding needs dp >= 2 to split into replicate x shard",
+    "dp-replicate": "dp_replicate is for fsdp_strategy 'hybrid' only, and must divide dp",
     "mixed-precision": "mixed_precision must be None or 'bf16'",
     "cpu-offload": "cpu_offload needs full sharding (zero 3 / FSDP full or hybrid)",
     "mixed-precision-fsdp": "bf16 mixed precision uses FSDP2's MixedPrecisionPolicy, so it needs zero 2 or 3",
@@ -81,7 +77,8 @@ class Parallel:
     fsdp_strategy: str | None = None  # "full" | "grad_op" | "no_shard" | "hybrid"; None: from zero
     schedule: str = "1f1b"  # pipeline schedule, one of SCHEDULES
     microbatches: int | None = None  # per step and dp rank; None: see num_microbatches
-    virtual_stages: int | None = None  # stages per pipeline rank; None: see stages_per_rank
+    stages_per_rank: int | None = None  # pipeline stages on each pp rank; None: see num_stages_per_rank
+    dp_replicate: int | None = None  # HSDP: dp = dp_replicate * dp_shard; None: see hsdp_sizes
     sequence_parallel: bool = False  # shard norms/dropout over the sequence dim on the tp axis
     activation_checkpointing: bool = False  # recompute each block in backward
     mixed_precision: str | None = None  # None (fp32) or "bf16" (MixedPrecisionPolicy)
@@ -96,30 +93,33 @@ class Parallel:
         return self.dp * self.tp * self.pp
 
     @property
-    def stages_per_rank(self) -> int:
-        """virtual_stages, or its default: 2 for multi-stage schedules, 1 for gpipe/1f1b."""
-        if self.virtual_stages is not None:
-            return self.virtual_stages
-        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
+    def num_stages_per_rank(self) -> int:
+        """stages_per_rank, or its default: 2 for multi-stage schedules, 1 for gpipe/1f1b."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return default_stages_per_rank(self.schedule)
 
     @property
     def num_stages(self) -> int:
-        """Pipeline stages in all: pp * stages_per_rank."""
-        return self.pp * self.stages_per_rank
+        """Pipeline stages in all: pp * num_stages_per_rank."""
+        return self.pp * self.num_stages_per_rank
 
     @property
     def num_microbatches(self) -> int:
         """microbatches, or its default: pp (1 without PP), and the stage count for dualpipev."""
         if self.microbatches is not None:
             return self.microbatches
-        return self.num_stages if self.schedule == "dualpipev" else self.pp
+        return default_microbatches(self.schedule, self.pp, self.num_stages_per_rank)
 
     @property
     def zero_stage(self) -> int:
         """The ZeRO stage in effect: zero, or the one fsdp_strategy implies when zero is 0."""
-        if self.zero == 0 and self.fsdp_strategy in _FSDP_ZERO:
-            return max(_FSDP_ZERO[self.fsdp_strategy])
-        return self.zero
+        return zero_stage(self.zero, self.fsdp_strategy)
+
+    @property
+    def hsdp_sizes(self) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) under hybrid sharding (dp_replicate or the default split); (1, dp) otherwise."""
+        return hsdp_split(self.dp, self.dp_replicate) if self.fsdp_strategy == "hybrid" else (1, self.dp)
 
     @property
     def uses_fsdp(self) -> bool:
@@ -146,42 +146,20 @@ class Parallel:
         return self._warnings()
 
     def _field_problems(self) -> list[tuple[str, str]]:
-        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp,
-                 "microbatches": self.microbatches, "virtual_stages": self.virtual_stages}
+        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "microbatches": self.microbatches,
+                 "stages_per_rank": self.stages_per_rank, "dp_replicate": self.dp_replicate}
         bad = [f"{k}={v!r}" for k, v in sizes.items()
                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)]
         if bad:
             return [("positive-sizes", f"sizes must be positive ints: {', '.join(bad)}")]
-        if self.schedule not in SCHEDULES:
-            return [("unknown-schedule",
-                     f"unknown schedule {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")]
+        if self.schedule not in SCHEDULES:  # the defaults below depend on a known schedule
+            return stage_problems(self.schedule, 1)
         return self._schedule_problems() + self._sharding_problems()
 
     def _schedule_problems(self) -> list[tuple[str, str]]:
-        p, v, m, s = self.pp, self.stages_per_rank, self.num_microbatches, self.schedule
-        out = []
-        # One micro-batch through GPipe is naive model parallelism: allowed, with a warning, to teach the bubble.
-        if m < p and not (s == "gpipe" and m == 1):
-            out.append(("pp-microbatches", f"microbatches={m} must be at least pp={p} "
-                        "(or exactly 1 with gpipe: naive model parallelism)"))
-        if s in SINGLE_STAGE_SCHEDULES and v != 1:
-            out.append(("single-stage-schedule", f"{s} runs one stage per rank, got virtual_stages={v}"))
-        if s == "1f1b" and m < self.num_stages:
-            out.append(("1f1b-microbatches",
-                        f"1f1b needs microbatches={m} >= number of stages={self.num_stages}"))
-        if s in INTERLEAVED_SCHEDULES:
-            if v < 2:
-                out.append(("interleaved-virtual-stages", f"{s} needs virtual_stages >= 2, got {v}"))
-            rounds = max(1, m // p)
-            if m % rounds:
-                out.append(("interleaved-rounds", f"{s} needs microbatches={m} to be a multiple "
-                            f"of the number of rounds max(1, m // pp)={rounds}"))
-        if s in V_SCHEDULES and v != 2:
-            out.append(("v-schedule-stages", f"{s} needs exactly 2 stages per rank, got virtual_stages={v}"))
-        if s == "dualpipev" and m < self.num_stages:
-            out.append(("dualpipev-microbatches",
-                        f"dualpipev needs microbatches={m} >= number of stages={self.num_stages}"))
-        return out
+        v = self.num_stages_per_rank
+        return stage_problems(self.schedule, v) + microbatch_problems(self.schedule, self.pp, v,
+                                                                      self.num_microbatches)
 
     def _sharding_problems(self) -> list[tuple[str, str]]:
         out = []
@@ -191,24 +169,35 @@ class Parallel:
             out.append(("fsdp-strategy", f"unknown fsdp_strategy {self.fsdp_strategy!r}; "
                         f"allowed: None, {', '.join(FSDP_STRATEGIES)}"))
         elif self.fsdp_strategy is not None and self.zero != 0 \
-                and self.zero not in _FSDP_ZERO[self.fsdp_strategy]:
+                and self.zero not in FSDP_STRATEGY_ZERO[self.fsdp_strategy]:
             out.append(("zero-fsdp-agree", f"zero={self.zero} disagrees with fsdp_strategy="
                         f"{self.fsdp_strategy!r} (zero 2 is grad_op, zero 3 is full, hybrid is 2 or 3)"))
         if self.fsdp_strategy == "hybrid" and self.dp < 2:
             out.append(("hybrid-dp", f"hybrid sharding splits dp into replicate x shard, needs dp >= 2, got dp={self.dp}"))
+        if self.dp_replicate is not None and (self.fsdp_strategy != "hybrid" or self.dp % self.dp_replicate):
+            out.append(("dp-replicate", f"dp_replicate={self.dp_replicate} needs fsdp_strategy 'hybrid' and "
+                        f"must divide dp={self.dp} (dp = dp_replicate * dp_shard); "
+                        f"got fsdp_strategy={self.fsdp_strategy!r}"))
         if self.mixed_precision not in MIXED_PRECISION:
             out.append(("mixed-precision", f"mixed_precision must be None or 'bf16', got {self.mixed_precision!r}"))
-        if self.cpu_offload and self.zero_stage != 3:
+        if self.cpu_offload and self._zero_in_effect() != 3:
             out.append(("cpu-offload", "cpu_offload uses FSDP2's CPUOffloadPolicy, which this lab applies "
                         f"with full sharding only (zero 3 or fsdp_strategy 'full'/'hybrid'); got zero={self.zero}, "
                         f"fsdp_strategy={self.fsdp_strategy!r}"))
-        if self.mixed_precision == "bf16" and self.zero_stage not in (2, 3):
+        if self.mixed_precision == "bf16" and self._zero_in_effect() not in (2, 3):
             out.append(("mixed-precision-fsdp", "mixed_precision='bf16' is applied through FSDP2's "
                         f"MixedPrecisionPolicy, which needs zero 2 or 3 (or an FSDP strategy); got zero={self.zero}"))
         if self.zero == 1 and self.tp > 1:
             out.append(("zero1-dtensor", "zero=1 uses ZeroRedundancyOptimizer, which does not support "
                         f"DTensor parameters, and tp={self.tp} makes them DTensors; use zero 2/3 (FSDP2) with TP"))
         return out
+
+    def _zero_in_effect(self) -> int | None:
+        """zero_stage, or None while zero and fsdp_strategy disagree (reported by their own rules)."""
+        try:
+            return self.zero_stage
+        except ValueError:
+            return None
 
     def _model_problems(self, cfg: Any, world_size: int, global_batch: int) -> list[tuple[str, str]]:
         d_ff = getattr(cfg, "d_ff", None) or 4 * cfg.d_model
@@ -222,7 +211,7 @@ class Parallel:
                 out.append((rule, f"{name}={value} must be divisible by tp={self.tp}"))
         if cfg.layers % self.num_stages:
             out.append(("pp-layers", f"layers={cfg.layers} must be divisible by the number of stages "
-                        f"pp*virtual_stages = {self.pp}*{self.stages_per_rank} = {self.num_stages}"))
+                        f"pp*stages_per_rank = {self.pp}*{self.num_stages_per_rank} = {self.num_stages}"))
         per_step = self.dp * self.num_microbatches
         if global_batch % per_step:
             out.append(("global-batch", f"global_batch={global_batch} must be divisible by "
@@ -236,17 +225,18 @@ class Parallel:
                        "(and gradients reduce-scattered) for every micro-batch")
         if self.zero_stage in (1, 2, 3) and self.dp == 1:
             out.append(f"ZeRO-{self.zero_stage} with dp=1 has nothing to shard over")
-        if self.fsdp_strategy == "hybrid" and all(self.dp % k for k in range(2, self.dp)):
-            out.append(f"hybrid with dp={self.dp}: no split into replicate x shard with both >= 2, "
+        if self.fsdp_strategy == "hybrid" and 1 in self.hsdp_sizes:
+            replicate, shard = self.hsdp_sizes
+            out.append(f"hybrid with dp={self.dp} splits into {replicate} replicate x {shard} shard, "
                        "so it equals plain replication or full sharding")
         if self.pp > 1 and self.schedule == "gpipe" and self.num_microbatches == 1:
             out.append(f"one micro-batch on pp={self.pp} is naive model parallelism: one rank works at a time, "
                        f"the bubble is (p-1)/p = {(self.pp - 1) / self.pp:.0%}")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel has no effect with tp=1")
-        if self.pp == 1 and (self.schedule != "1f1b" or self.stages_per_rank > 1):
+        if self.pp == 1 and (self.schedule != "1f1b" or self.num_stages_per_rank > 1):
             out.append(f"pp=1 runs no pipeline between ranks; schedule {self.schedule!r} "
-                       f"with {self.stages_per_rank} stage(s) per rank only adds overhead")
+                       f"with {self.num_stages_per_rank} stage(s) per rank only adds overhead")
         return out
 
     # --- conversion -----------------------------------------------------------------
@@ -269,8 +259,10 @@ class Parallel:
         if self.fsdp_strategy is not None:
             parts[-1] += f"({self.fsdp_strategy})"
         parts += [self.schedule, f"m={self.num_microbatches}"]
-        if self.stages_per_rank > 1:
-            parts.append(f"v={self.stages_per_rank}")
+        if self.num_stages_per_rank > 1:
+            parts.append(f"v={self.num_stages_per_rank}")
+        if self.fsdp_strategy == "hybrid":
+            parts.append("{}x{}".format(*self.hsdp_sizes))
         flags = [("sp", self.sequence_parallel), ("ac", self.activation_checkpointing),
                  ("offload", self.cpu_offload)]
         parts += [name for name, on in flags if on]

@@ -15,8 +15,8 @@ What is counted, per iteration with M micro-batches per dp rank:
   reduce-scatters are why ZeRO-2 and PP mix badly, seeds/004 "ZeRO DP+PP+TP").
 - ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward
   (DESIGN §3: "all-gather twice plus reduce-scatter once").
-- FSDP hybrid: ZeRO-2/3 inside a node, plus an all-reduce of the gradient shard across
-  nodes after each reduce-scatter.
+- FSDP hybrid: ZeRO-2/3 inside each of the dp_replicate shard groups of dp_shard ranks,
+  plus an all-reduce of the gradient shard across the groups after each reduce-scatter.
 - tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP
   out) and two backward (their conjugates), two more forward under recomputation;
   with sequence parallelism each all-reduce becomes an all-gather plus a
@@ -117,7 +117,7 @@ def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work) -> list[C
 
 
 def _hybrid_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
-    shard, replicate = hybrid_groups(lay, gpus_per_node)
+    shard, replicate = hybrid_groups(lay)
     s, r = len(shard[0]), len(replicate[0])
     out = _sharded_entries("dp_shard", lay.zero, s, groups_link(shard, gpus_per_node), w)
     if r > 1:
@@ -172,7 +172,7 @@ def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
         return []
     link = axis_link(lay, "pp", gpus_per_node)
     payload = pp_p2p_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
-    fwd = bwd = w.microbatches * lay.virtual_stages
+    fwd = bwd = w.microbatches * lay.stages_per_rank
     if w.stage_ids:
         mine, last = set(w.stage_ids), w.num_stages - 1
         fwd = w.microbatches * sum(1 for s in mine if s < last and s + 1 not in mine)

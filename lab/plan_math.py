@@ -1,7 +1,7 @@
 """The planner's formulas, each one small and named after where it comes from.
 
-Sources: DESIGN §3 (ZeRO reference, bus bandwidth, bubble), the ZeRO paper
-(Rajbhandari et al. 2020), Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021),
+Sources: the ZeRO paper (Rajbhandari et al. 2020; its memory and traffic per stage),
+nccl-tests' bus bandwidth, Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021),
 Korthikanti et al. 2022 (activation recomputation), and the seeds in shared/seeds/,
 whose worked examples the tests reproduce.
 
@@ -91,23 +91,6 @@ def busbw_factor(op: str, n: int) -> float:
     if op in ("broadcast", "p2p", "send", "recv", "send_recv"):
         return 1.0
     raise ValueError(f"unknown collective {op!r}")
-
-
-def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """Idle share of a pipeline step: GPipe/1F1B (p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1)."""
-    _check_pipe(p, m, v)
-    return (p - 1) / (v * m + p - 1)
-
-
-def megatron_bubble(p: int, m: int, v: int = 1) -> float:
-    """Megatron's bubble-to-ideal ratio (p-1)/m, interleaved (p-1)/(v·m) (Narayanan et al. 2021)."""
-    _check_pipe(p, m, v)
-    return (p - 1) / (v * m)
-
-
-def _check_pipe(p: int, m: int, v: int) -> None:
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
 
 
 def activation_bytes(b: float, s: float, h: float, layers: float, elem_bytes: float = 2) -> float:

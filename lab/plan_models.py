@@ -199,11 +199,6 @@ def _key(name: str) -> str:
 _LOOKUP = {**{_key(k): k for k in PRESETS}, **{_key(k): v for k, v in _ALIASES.items()}}
 
 
-def preset_names() -> tuple[str, ...]:
-    """The canonical preset names."""
-    return tuple(PRESETS)
-
-
 def custom_model(name: str = "custom", *, params: float | None = None, layers: int | None = None,
                  hidden: int | None = None, heads: int | None = None, ffn: int | None = None,
                  vocab: int | None = None, **shape: Any) -> ModelSpec:

@@ -5,9 +5,28 @@ GB here is 1e9 bytes, as in the seeds. Pure Python; no torch.
 from __future__ import annotations
 
 import html as _html
-from typing import Any
+from typing import Any, Callable
 
 from lab.plan_math import GB, gbps
+
+
+class Rendered:
+    """Prints as ``render_text(self)`` (both str and repr) and shows in Jupyter as ``render_html(self)``.
+
+    Subclasses set the two to this module's functions; a dataclass subclass needs
+    ``repr=False``, or its generated ``__repr__`` would hide the text view.
+    """
+
+    render_text: Callable[[Any], str]
+    render_html: Callable[[Any], str]
+
+    def __str__(self) -> str:
+        return self.render_text()
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return self.render_html()
 
 
 def _gb(x: float) -> str:
@@ -45,8 +64,10 @@ def _title(p: Any) -> str:
 
 
 def _bubble(p: Any) -> str:
-    if p.bubble is None:
+    if p.layout.pp == 1:
         return "bubble: none (no pipeline)"
+    if p.bubble is None:
+        return f"bubble ({p.layout.schedule}): no closed form; compare with 1f1b's"
     return (f"bubble ({p.layout.schedule}): {p.bubble:.1%} of the step; "
             f"Megatron's bubble/ideal (p-1)/(v·m): {p.bubble_megatron:.1%}")
 

@@ -9,16 +9,10 @@ bytes per micro-batch, times the micro-batches a schedule keeps in flight (GPipe
 1F1B P), and are not split by TP unless sequence parallelism is on (seeds/000 TP §1:
 "Activations はシャーディングされない"). GB is 1e9 bytes, as in the seeds.
 
-Every pipeline rank is sized (``Plan.stages``, one ``StagePlan`` per pp rank: its
-stages, blocks, parameters, memory and exact traffic); ``Plan.memory`` and the dp/tp
-part of ``Plan.comm`` are the busiest rank's, and ``Plan.comm``'s p2p is a middle
-stage's (the busiest link). A preset splits Ψ evenly over its blocks (the seeds'
-convention, embeddings not singled out); the lab's GPT (``ModelSpec.from_gpt``, or a
-``GPTConfig``/its dict as ``model``) is counted tensor by tensor: TP splits what
-``kernels.tensor_parallel`` splits (tp rank 0's chunk, the largest) and replicates
-the norms and row-parallel biases, and PP gives the embeddings to the first stage,
-the final norm and LM head to the last, blocks in equal contiguous runs.
-Pure Python; no torch.
+Every pipeline rank is sized (``Plan.stages``, one ``StagePlan`` per pp rank, by
+``lab.plan_stages``); ``Plan.memory`` and the dp/tp part of ``Plan.comm`` are the
+busiest rank's, and ``Plan.comm``'s p2p is a middle stage's (the busiest link). The
+bubble is ``kernels.layout_rules.bubble_theory``'s. Pure Python; no torch.
 """
 from __future__ import annotations
 
@@ -27,46 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kernels.layout_rules import bubble_theory, default_microbatches
 from lab import plan_render
 from lab.plan_comm import CommEntry, Work, all_entries
-from lab.plan_math import (
-    GB,
-    activation_bytes,
-    bubble_fraction,
-    checkpointed_activation_bytes,
-    dtype_bytes,
-    megatron_bubble,
-    optimizer_bytes,
-    required_bandwidth,
-    zero_memory,
-)
-from lab.plan_mesh import MULTI_STAGE, Layout, axis_link, hybrid_shard_size, layout_from
-from lab.plan_models import ModelSpec, get_model, gpt_tensors
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes per GPU on the busiest rank (pipeline stage 0)."""
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    capacity: float  # gpu_mem_gb × 1e9
-
-    @property
-    def total(self) -> float:
-        """params + grads + optimizer + activations."""
-        return self.params + self.grads + self.optimizer + self.activations
-
-    @property
-    def fits(self) -> bool:
-        """True when the total fits the GPU."""
-        return self.total <= self.capacity
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able fields, with total and fits."""
-        return {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
+from lab.plan_math import GB, dtype_bytes, optimizer_bytes, required_bandwidth
+from lab.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from
+from lab.plan_models import ModelSpec, get_model
+from lab.plan_stages import MemoryBreakdown, StagePlan, stage_plans
 
 
 @dataclass(frozen=True)
@@ -80,20 +41,8 @@ class LinkLoad:
     needed_gbps: float  # GB/s to move wire_bytes within the target iteration time
 
 
-@dataclass(frozen=True)
-class StagePlan:
-    """One pipeline rank: its stages and blocks, parameters after TP, memory and traffic."""
-
-    pp_rank: int
-    stage_ids: tuple[int, ...]  # global stage indices on this rank (kernels.pipeline's placement)
-    layers: int | None  # transformer blocks on this rank
-    params: float  # Ψ on this rank after TP and PP, before dp sharding
-    memory: MemoryBreakdown
-    comm: tuple[CommEntry, ...]  # this rank's traffic, its p2p sends exactly
-
-
-@dataclass(frozen=True)
-class Plan:
+@dataclass(frozen=True, repr=False)
+class Plan(plan_render.Rendered):
     """The analytic picture of one layout; ``to_dict()`` is JSON-able."""
 
     model: str
@@ -112,7 +61,7 @@ class Plan:
     comm: tuple[CommEntry, ...]
     links: tuple[LinkLoad, ...]
     target_iter_s: float
-    bubble: float | None  # (p-1)/(m+p-1) or (p-1)/(v·m+p-1); None without PP
+    bubble: float | None  # (p-1)/(m+p-1) or (p-1)/(v·m+p-1); None without PP or a closed form
     bubble_megatron: float | None  # (p-1)/m or (p-1)/(v·m)
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -150,14 +99,8 @@ class Plan:
         out["fits"] = self.fits
         return out
 
-    def __str__(self) -> str:
-        return plan_render.text(self)
-
-    def __repr__(self) -> str:
-        return plan_render.text(self)
-
-    def _repr_html_(self) -> str:
-        return plan_render.html(self)
+    render_text = plan_render.text
+    render_html = plan_render.html
 
 
 def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per_node: int = 8,
@@ -199,9 +142,9 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     busiest = max(stages, key=lambda st: st.memory.total)  # the first on ties
     work = dataclasses.replace(base, psi_local=busiest.params, layers_on_rank=busiest.layers,
                                embed=spec.per_tensor and 0 in busiest.stage_ids,
-                               head=spec.per_tensor and lay.pp * lay.virtual_stages - 1 in busiest.stage_ids)
+                               head=spec.per_tensor and lay.num_stages - 1 in busiest.stage_ids)
     mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
-    bubble = (bubble_fraction(lay.pp, m, lay.virtual_stages), megatron_bubble(lay.pp, m, lay.virtual_stages))
+    bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
     return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,
                 str(optimizer), mem, comm, _links(comm, intra_bw, inter_bw, target_iter_s), target_iter_s,
                 *(bubble if lay.pp > 1 else (None, None)),
@@ -229,8 +172,8 @@ def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None
                   microbatches: int | None) -> tuple[int, int, int]:
     """(global_batch, micro_batch, M) with global_batch = dp · micro_batch · M.
 
-    Missing values are derived; M defaults to the stage count (lab.parallel's default),
-    micro_batch to 1. Raises ValueError when they cannot agree.
+    Missing values are derived; M defaults to ``kernels.layout_rules.default_microbatches``
+    (pp, or the stage count for DualPipeV), micro_batch to 1. Raises ValueError when they cannot agree.
     """
     dp = lay.dp
     m = microbatches
@@ -240,7 +183,7 @@ def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None
             raise ValueError(f"global_batch={global_batch} is not a multiple of dp*micro_batch "
                              f"= {dp}*{micro_batch}")
     if m is None:
-        m = lay.pp * (lay.virtual_stages if lay.schedule == "dualpipev" else 1)
+        m = default_microbatches(lay.schedule, lay.pp, lay.stages_per_rank)
     if micro_batch is None:
         micro_batch = 1 if global_batch is None else global_batch // (dp * m)
         if global_batch is not None and (micro_batch < 1 or global_batch % (dp * m)):
@@ -251,109 +194,6 @@ def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None
     if global_batch != dp * micro_batch * m or min(m, micro_batch) < 1:
         raise ValueError(f"global_batch={global_batch} != dp*micro_batch*M = {dp}*{micro_batch}*{m}")
     return global_batch, micro_batch, m
-
-
-def stage_ids(schedule: str, pp_rank: int, pp: int, v: int = 1) -> tuple[int, ...]:
-    """Global stages on ``pp_rank`` (kernels.pipeline.stage_ids_for_rank's placement):
-    [r] for GPipe/1F1B, the V [r, 2p-1-r] for ZBV/DualPipeV, else looped [r, r+p, ...]."""
-    if schedule not in MULTI_STAGE:
-        return (pp_rank,)
-    if schedule in ("zbv", "dualpipev"):
-        return (pp_rank, 2 * pp - 1 - pp_rank)
-    return tuple(pp_rank + k * pp for k in range(v))
-
-
-def stage_blocks(layers: int, num_stages: int) -> list[range]:
-    """Contiguous block indices per stage: equal runs, the first ``layers % num_stages`` one longer."""
-    per, extra = divmod(layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        n = per + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> tuple[float, int | None]:
-    """(Ψ after TP, blocks) of the pipeline rank holding stages ``ids``.
-
-    A per-tensor model sums its tensors' tp-rank-0 chunks; any other model takes its
-    blocks' share of Ψ, divided by tp (the seeds: "140GB / 8" under TP8).
-    """
-    n_stages = lay.pp * (lay.virtual_stages if lay.schedule in MULTI_STAGE else 1)
-    if spec.layers is None:
-        return spec.params / lay.pp / lay.tp, None
-    runs = stage_blocks(spec.layers, n_stages)
-    blocks = {b for s in ids for b in runs[s]}
-    if not spec.per_tensor:
-        return spec.params * len(blocks) / spec.layers / lay.tp, len(blocks)
-    mine = {"embed": 0 in ids, "head": n_stages - 1 in ids}
-    total = sum(t.tp_numel(lay.tp) for t in gpt_tensors(spec)
-                if (t.block in blocks if t.owner == "block" else mine[t.owner]))
-    return float(total), len(blocks)
-
-
-def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k: float, gpu_mem_gb: float,
-                activations_gb: float | None) -> tuple[StagePlan, ...]:
-    """A StagePlan per pipeline rank: ``base`` (batch and dtype) with that rank's Ψ, blocks and stages."""
-    n_stages = lay.pp * (lay.virtual_stages if lay.schedule in MULTI_STAGE else 1)
-    out = []
-    for r in range(lay.pp):
-        ids = stage_ids(lay.schedule, r, lay.pp, lay.virtual_stages)
-        psi, layers = stage_params(spec, lay, ids)
-        w = dataclasses.replace(base, psi_local=psi, layers_on_rank=layers, stage_ids=ids, num_stages=n_stages,
-                                embed=spec.per_tensor and 0 in ids, head=spec.per_tensor and n_stages - 1 in ids)
-        mem = _memory(spec, lay, w, gpus_per_node, k, gpu_mem_gb, activations_gb, stage=r)
-        out.append(StagePlan(r, ids, layers, psi, mem, all_entries(lay, w, gpus_per_node)))
-    return tuple(out)
-
-
-def _memory(spec: ModelSpec, lay: Layout, w: Work, gpus_per_node: int, k: float, gpu_mem_gb: float,
-            activations_gb: float | None, stage: int = 0) -> MemoryBreakdown:
-    n = lay.dp
-    if lay.fsdp_strategy == "hybrid":
-        n = hybrid_shard_size(lay.dp, lay.tp, gpus_per_node)
-    params, grads, opt = zero_memory(w.psi_local, n, lay.zero, w.elem_bytes, w.elem_bytes, k)
-    if activations_gb is not None:
-        act = activations_gb * GB
-    else:
-        act = _activations(lay, w, stage)
-    return MemoryBreakdown(params, grads, opt, act, gpu_mem_gb * GB)
-
-
-def in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak, in units
-    of one micro-batch through that rank's blocks.
-
-    GPipe and looped BFS run every forward first: M (seeds/000 PP §1). 1F1B starts
-    backward after P - stage forwards: min(P - stage, M); ZB-V is sized as stage 0,
-    min(P, M). Interleaved schedules hold (1 + (P-1)/(P·v)) times more (Korthikanti
-    et al. 2022 §4.2.3); DualPipeV P+1. Those are stage 0's figures, used for every rank.
-    """
-    if p == 1:
-        return 1.0
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(m)
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        return min(p, m) * (1 + (p - 1) / (p * v))
-    if schedule == "dualpipev":
-        return float(min(p + 1, m))
-    return float(min(p - stage if schedule == "1f1b" else p, m))
-
-
-def _activations(lay: Layout, w: Work, stage: int = 0) -> float:
-    if w.hidden is None or w.layers_on_rank is None:
-        return 0.0
-    flight = in_flight(lay.schedule, lay.pp, w.microbatches, lay.virtual_stages, stage)
-    one = activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank, w.elem_bytes)
-    if lay.activation_checkpointing:
-        kept = checkpointed_activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank,
-                                             w.elem_bytes)
-        block = activation_bytes(w.micro_batch, w.seq_len, w.hidden, 1, w.elem_bytes)
-        total = (kept - block) * flight + block  # inputs of every block in flight, one block live
-    else:
-        total = one * flight
-    return total / (lay.tp if lay.sequence_parallel else 1)
 
 
 def _links(comm: tuple[CommEntry, ...], intra_bw: float, inter_bw: float,
@@ -379,12 +219,13 @@ def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_p
     if lay.pp > 1 and m < lay.pp:
         out.append(f"M={m} < P={lay.pp}: 1F1B needs at least as many micro-batches as stages")
     elif lay.pp > 1 and m < 4 * lay.pp:
-        out.append(f"M={m} < 4P={4 * lay.pp}: bubble {bubble_fraction(lay.pp, m, lay.virtual_stages):.1%};"
-                   " the seeds advise M >= 4P")
+        bubble, _ = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
+        share = f"bubble {bubble:.1%}" if bubble is not None else "a large bubble"
+        out.append(f"M={m} < 4P={4 * lay.pp}: {share}; the seeds advise M >= 4P")
     if spec.heads is not None and spec.heads % lay.tp:
         out.append(f"heads={spec.heads} not divisible by tp={lay.tp}")
-    if spec.layers is not None and spec.layers % (lay.pp * lay.virtual_stages):
-        out.append(f"layers={spec.layers} not divisible by pp*v={lay.pp * lay.virtual_stages}: "
+    if spec.layers is not None and spec.layers % lay.num_stages:
+        out.append(f"layers={spec.layers} not divisible by pp*v={lay.num_stages}: "
                    "stages are uneven; the busiest is sized")
     if not spec.has_shape and activations_gb is None:
         out.append(f"{spec.name} is known by parameter count only: activations are counted as 0 "
@@ -395,8 +236,9 @@ def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_p
 def _notes(lay: Layout, gpus_per_node: int) -> list[str]:
     out = []
     if lay.fsdp_strategy == "hybrid":
-        out.append(f"hybrid: shard over {hybrid_shard_size(lay.dp, lay.tp, gpus_per_node)} dp ranks "
-                   "inside a node, replicate across nodes")
+        inside = groups_link(hybrid_groups(lay)[0], gpus_per_node) == "intra"
+        out.append(f"hybrid: dp={lay.dp} as {lay.dp_replicate} replicate x {lay.dp_shard} shard; shard groups "
+                   + ("stay inside a node" if inside else "cross nodes: pass dp_replicate to shard inside a node"))
     if lay.zero in (2, 3) and lay.pp > 1:
         out.append(f"ZeRO-{lay.zero} with PP all-gathers/reduce-scatters per micro-batch "
                    "(seeds/004: ZeRO-1 is the usual choice with PP)")

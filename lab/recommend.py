@@ -10,7 +10,8 @@ seeds/004 "Scalability Strategy"):
 4. PP is added only when needed, with M >= 4P micro-batches per iteration;
    among equal DP, fewer stages (less bubble) rank first, so TP is preferred to PP.
 
-The dp axis is sharded as ``zero`` says, ZeRO-1 by default: it is the sharding under
+FSDP's hybrid strategy shards inside a node and replicates across nodes (its
+``dp_replicate`` is chosen so). The dp axis is sharded as ``zero`` says, ZeRO-1 by default: it is the sharding under
 which the seeds' TP rule "TP ≥ (Parameters + Gradients) / (GPU_memory − Activations)"
 holds (parameters and gradients whole per replica, optimizer states sharded), and the
 one seeds/004 pairs with PP. With ``zero=3`` nearly every model fits as pure FSDP, so
@@ -47,15 +48,16 @@ class Candidate:
         lay = self.plan.layout
         return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
                 "fsdp_strategy": lay.fsdp_strategy, "schedule": lay.schedule,
-                "microbatches": self.plan.microbatches}
+                "microbatches": self.plan.microbatches,
+                "dp_replicate": lay.dp_replicate if lay.fsdp_strategy == "hybrid" else None}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able fields."""
         return {"parallel": self.parallel, "reason": self.reason, "plan": self.plan.to_dict()}
 
 
-@dataclass(frozen=True)
-class Recommendation:
+@dataclass(frozen=True, repr=False)
+class Recommendation(plan_render.Rendered):
     """Candidates, best first, and warnings about the search as a whole."""
 
     candidates: tuple[Candidate, ...]
@@ -81,14 +83,8 @@ class Recommendation:
         """JSON-able fields."""
         return {"candidates": [c.to_dict() for c in self.candidates], "warnings": list(self.warnings)}
 
-    def __str__(self) -> str:
-        return plan_render.recommendation_text(self)
-
-    def __repr__(self) -> str:
-        return plan_render.recommendation_text(self)
-
-    def _repr_html_(self) -> str:
-        return plan_render.recommendation_html(self)
+    render_text = plan_render.recommendation_text
+    render_html = plan_render.recommendation_html
 
 
 def divisors(n: int) -> list[int]:
@@ -101,6 +97,13 @@ def tp_choices(spec: ModelSpec, gpus: int, gpus_per_node: int, max_tp: int = 8) 
     the head count and the GPU count."""
     return [t for t in divisors(gpus_per_node)
             if t <= max_tp and gpus % t == 0 and (spec.heads is None or spec.heads % t == 0)]
+
+
+def node_shard(dp: int, tp: int, gpus_per_node: int) -> int:
+    """The HSDP shard size that keeps a shard group inside a node (shard within nodes,
+    replicate across them): the largest divisor of dp that fits beside tp on one node."""
+    per_node = max(1, gpus_per_node // tp)
+    return max(d for d in divisors(dp) if d <= per_node)
 
 
 def _microbatches(pp: int, dp: int, global_batch: int | None, micro_batch: int | None,
@@ -136,7 +139,8 @@ def _reason(p: Plan, max_dp: int, fixed_dp: int | None) -> str:
             why = f" = gpus/(TP·DP) with DP fixed at {fixed_dp}"
         elif most:
             why = " to fit memory"
-        parts.append(f"PP{lay.pp}{why}, M={p.microbatches} {ok} 4P, bubble {p.bubble:.1%}")
+        bubble = f"bubble {p.bubble:.1%}" if p.bubble is not None else f"{lay.schedule} bubble: no closed form"
+        parts.append(f"PP{lay.pp}{why}, M={p.microbatches} {ok} 4P, {bubble}")
     else:
         parts.append("no PP needed")
     inter = p.link("inter")
@@ -193,6 +197,8 @@ def _candidates(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: floa
             par = {"dp": cand_dp, "tp": tp, "pp": pp, "microbatches": m,
                    "zero": 0 if (cand_dp == 1 or fsdp_strategy) else zero,
                    "fsdp_strategy": fsdp_strategy if cand_dp > 1 else None}
+            if par["fsdp_strategy"] == "hybrid":
+                par["dp_replicate"] = cand_dp // node_shard(cand_dp, tp, gpus_per_node)
             try:
                 plans.append(plan(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=par,
                                   global_batch=global_batch, micro_batch=micro_batch,

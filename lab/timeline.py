@@ -5,16 +5,14 @@ Pure functions of records (no torch, no ranks), so a saved run replays the same.
 - ``bubble(events)``: DESIGN §3 "Bubble ratio (measured)". For rank r,
   ``idle_r = 1 - busy_r / makespan``; ``busy_r`` sums r's compute actions (F, B/I, W);
   the makespan runs from the first compute start to the last compute end over all
-  ranks, on clocks aligned to rank 0. Mean and per-rank values, beside ``theory``.
-- ``theory``: GPipe (Huang et al., 2019) and 1F1B (Narayanan et al., 2019):
-  ``(p-1)/(m+p-1)``; interleaved with v stages per rank (Narayanan et al., 2021):
-  ``(p-1)/(v*m+p-1)``; and Megatron's bubble-to-ideal form ``(p-1)/m``, ``(p-1)/(v*m)``.
+  ranks, on clocks aligned to rank 0. Mean and per-rank values, beside the closed form
+  of ``kernels.layout_rules.bubble_theory``.
 - ``planned_order``: our own compute order for GPipe and 1F1B (torch 2.8-2.13's
   ``pipeline_order`` is wrong for these, DESIGN §4b). Multi-stage schedules use the
   order torch plans, which the rank function returns as ``record["planned"]``;
   ``planned_orders`` picks one or the other for every rank of a run.
 - ``simulate``: when each action starts if it waits only for its rank and its data
-  (zero-latency p2p), giving the planned timeline and its bubble.
+  (zero-latency p2p, ``kernels.schedule_simulation``), giving the planned timeline and its bubble.
 - ``to_chrome_trace``: Chrome/Perfetto JSON ("X" events, microseconds), one track per rank.
 """
 from __future__ import annotations
@@ -23,12 +21,11 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from kernels.layout_rules import SINGLE_STAGE_SCHEDULES, bubble_theory
 from kernels.records import BubbleReport, ClockSync, TraceEvent
+from kernels.schedule_simulation import Action, lay_out
 
 COMPUTE_KINDS = ("forward", "backward", "backward_weight")
-SINGLE_STAGE = ("gpipe", "1f1b")
-INTERLEAVED = ("interleaved_1f1b", "looped_bfs")
-Action = tuple[int, str, int]  # (global stage, "F" | "B" | "I" | "W", micro-batch)
 
 
 def events_from(results: Any) -> list[TraceEvent]:
@@ -53,16 +50,6 @@ def _one_step(events: list[TraceEvent], step: int | None) -> tuple[list[TraceEve
     return [e for e in events if e.step == chosen], chosen
 
 
-def theory(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> tuple[float | None, float | None]:
-    """(bubble, Megatron bubble-to-ideal) for a schedule; (None, None) without a closed form here."""
-    p, m, v = pp, microbatches, stages_per_rank
-    if schedule in SINGLE_STAGE:
-        return (p - 1) / (m + p - 1), (p - 1) / m
-    if schedule in INTERLEAVED:
-        return (p - 1) / (v * m + p - 1), (p - 1) / (v * m)
-    return None, None  # zero-bubble and DualPipeV: compare with 1F1B instead
-
-
 def bubble(events: Iterable[Any], schedule: str = "", pp: int = 0, microbatches: int = 0,
            stages_per_rank: int = 1, *, step: int | None = None, synthetic: bool = False,
            clock_uncertainty: float = 0.0) -> BubbleReport:
@@ -75,7 +62,7 @@ def bubble(events: Iterable[Any], schedule: str = "", pp: int = 0, microbatches:
     makespan = max(e.end for e in compute) - min(e.start for e in compute)
     busy = tuple(sum(e.duration for e in compute if e.rank == r) for r in ranks)
     idle = tuple(1 - b / makespan for b in busy)
-    th, mega = theory(schedule, pp, microbatches, stages_per_rank) if pp else (None, None)
+    th, mega = bubble_theory(schedule, pp, microbatches, stages_per_rank) if pp else (None, None)
     return BubbleReport(schedule=schedule, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank,
                         ranks=ranks, idle=idle, busy=busy, makespan=makespan, mean=sum(idle) / len(idle),
                         theory=th, theory_megatron=mega, synthetic=synthetic, step=step_,
@@ -124,7 +111,7 @@ def planned_orders(records: Any) -> list[list[list]]:
     recs = sorted(records.values() if isinstance(records, dict) else records, key=lambda r: r["rank"])
     out: list[list[list]] = []
     for rec in recs:
-        if rec["schedule"] in SINGLE_STAGE:
+        if rec["schedule"] in SINGLE_STAGE_SCHEDULES:
             acts = planned_order(rec["schedule"], rec["pp"], rec["microbatches"], rec["pp_rank"])
         else:
             acts = rec.get("planned") or []
@@ -139,42 +126,12 @@ def measured_order(events: Iterable[Any], rank: int, *, step: int | None = None)
             if e.rank == rank and e.kind in COMPUTE_KINDS]
 
 
-def _ready_time(action: Action, done: dict, last_stage: int) -> float | None:
-    """When this action's input exists, or None if its producer has not been placed yet."""
-    stage, letter, mb = action
-    if letter == "F":
-        return 0.0 if stage == 0 else done.get((stage - 1, "F", mb))
-    if letter in ("B", "I"):  # needs the output grad from the next stage (or its own loss)
-        return done.get((stage, "F", mb)) if stage == last_stage else done.get((stage + 1, "G", mb))
-    return done.get((stage, "G", mb))  # W after this stage's own I
-
-
 def simulate(orders: dict[int, list[Action]], costs: dict[str, float]) -> list[TraceEvent]:
-    """Start each rank's actions in order, each once its rank is free and its input exists."""
-    last_stage = max(a[0] for order in orders.values() for a in order)
-    pos, free = {r: 0 for r in orders}, {r: 0.0 for r in orders}
-    done: dict[tuple, float] = {}
-    out: list[TraceEvent] = []
-    progress = True
-    while progress:
-        progress = False
-        for r, order in orders.items():
-            while pos[r] < len(order):
-                action = order[pos[r]]
-                ready = _ready_time(action, done, last_stage)
-                if ready is None:
-                    break
-                start = max(free[r], ready)
-                free[r] = end = start + costs[action[1]]
-                stage, letter, mb = action
-                done[(stage, "G" if letter in ("B", "I") else letter, mb)] = end
-                kind = {"F": "forward", "W": "backward_weight"}.get(letter, "backward")
-                out.append(TraceEvent(r, stage, kind, mb, start, end, action=letter))
-                pos[r], progress = pos[r] + 1, True
-    stuck = {r: orders[r][pos[r]] for r in orders if pos[r] < len(orders[r])}
-    if stuck:
-        raise ValueError(f"orders deadlock; next actions waiting forever: {stuck}")
-    return sorted(out, key=lambda e: (e.start, e.rank))
+    """The planned timeline of ``orders`` (``kernels.schedule_simulation.lay_out``) as TraceEvents in start order."""
+    kinds = {"F": "forward", "W": "backward_weight"}
+    return sorted((TraceEvent(p.rank, p.stage, kinds.get(p.letter, "backward"), p.microbatch, p.start, p.end,
+                              action=p.letter) for p in lay_out(orders, costs)),
+                  key=lambda e: (e.start, e.rank))
 
 
 def _label(e: TraceEvent) -> str:

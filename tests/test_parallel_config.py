@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lab.parallel import RULES, SCHEDULES, Parallel, ParallelConfigError
+from kernels.layout_rules import SCHEDULES
+from lab.parallel import RULES, Parallel, ParallelConfigError
 
 # Any object with layers/d_model/heads/d_ff will do as the model config.
 MODEL = SimpleNamespace(layers=8, d_model=64, heads=4, d_ff=256)
@@ -26,17 +27,17 @@ VIOLATIONS = [
     ("tp-d-model", dict(tp=3), dict(model=SimpleNamespace(layers=8, d_model=64, heads=3, d_ff=255))),
     ("tp-d-ff", dict(tp=2), dict(model=SimpleNamespace(layers=8, d_model=64, heads=4, d_ff=255))),
     ("pp-layers", dict(pp=3, microbatches=3, schedule="gpipe"), dict(batch=63)),
-    ("pp-layers", dict(pp=2, virtual_stages=3, schedule="looped_bfs", microbatches=2), {}),
+    ("pp-layers", dict(pp=2, stages_per_rank=3, schedule="looped_bfs", microbatches=2), {}),
     ("pp-microbatches", dict(pp=4, microbatches=2, schedule="gpipe"), {}),
     ("unknown-schedule", dict(pp=2, schedule="zigzag"), {}),
-    ("single-stage-schedule", dict(pp=2, schedule="gpipe", virtual_stages=2), {}),
-    ("1f1b-microbatches", dict(pp=2, microbatches=2, schedule="1f1b", virtual_stages=2), {}),
-    ("interleaved-virtual-stages", dict(pp=2, schedule="interleaved_1f1b", virtual_stages=1), {}),
-    ("interleaved-virtual-stages", dict(pp=2, schedule="interleaved_zero_bubble", virtual_stages=1), {}),
+    ("single-stage-schedule", dict(pp=2, schedule="gpipe", stages_per_rank=2), {}),
+    ("1f1b-microbatches", dict(pp=2, microbatches=2, schedule="1f1b", stages_per_rank=2), {}),
+    ("interleaved-stages-per-rank", dict(pp=2, schedule="interleaved_1f1b", stages_per_rank=1), {}),
+    ("interleaved-stages-per-rank", dict(pp=2, schedule="interleaved_zero_bubble", stages_per_rank=1), {}),
     ("interleaved-rounds", dict(pp=4, schedule="interleaved_1f1b", microbatches=9), dict(batch=72)),
     ("interleaved-rounds", dict(pp=2, schedule="interleaved_zero_bubble", microbatches=7), dict(batch=56)),
-    ("v-schedule-stages", dict(pp=2, schedule="zbv", virtual_stages=1), {}),
-    ("v-schedule-stages", dict(pp=2, schedule="dualpipev", virtual_stages=4, microbatches=8), {}),
+    ("v-schedule-stages", dict(pp=2, schedule="zbv", stages_per_rank=1), {}),
+    ("v-schedule-stages", dict(pp=2, schedule="dualpipev", stages_per_rank=4, microbatches=8), {}),
     ("dualpipev-microbatches", dict(pp=2, schedule="dualpipev", microbatches=3), dict(batch=48)),
     ("global-batch", dict(dp=2, pp=2, microbatches=4), dict(batch=12)),
     ("zero-stage", dict(dp=2, zero=4), {}),
@@ -45,6 +46,8 @@ VIOLATIONS = [
     ("zero-fsdp-agree", dict(dp=2, zero=3, fsdp_strategy="grad_op"), {}),
     ("zero-fsdp-agree", dict(dp=2, zero=1, fsdp_strategy="no_shard"), {}),
     ("hybrid-dp", dict(fsdp_strategy="hybrid"), {}),
+    ("dp-replicate", dict(dp=4, zero=3, dp_replicate=2), {}),
+    ("dp-replicate", dict(dp=4, fsdp_strategy="hybrid", dp_replicate=3), {}),
     ("mixed-precision", dict(dp=2, zero=3, mixed_precision="fp16"), {}),
     ("cpu-offload", dict(dp=2, zero=2, cpu_offload=True), {}),
     ("cpu-offload", dict(dp=2, cpu_offload=True), {}),
@@ -104,7 +107,7 @@ VALID = [
     dict(pp=4, schedule="gpipe", microbatches=4),
     dict(pp=4, schedule="gpipe", microbatches=1),  # naive model parallelism (warned, not refused)
     dict(pp=2, schedule="interleaved_1f1b", microbatches=4),
-    dict(pp=4, schedule="interleaved_1f1b", virtual_stages=2, microbatches=6),  # 1 round of 6
+    dict(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=6),  # 1 round of 6
     dict(pp=2, schedule="interleaved_zero_bubble", microbatches=2),
     dict(pp=2, schedule="looped_bfs", microbatches=2),
     dict(pp=2, schedule="zbv", microbatches=2),
@@ -129,8 +132,19 @@ def test_valid_layouts_pass(fields):
 ])
 def test_defaults_resolve_from_the_schedule(fields, resolved):
     par = Parallel(**fields)
-    assert (par.num_microbatches, par.stages_per_rank, par.num_stages) == resolved
-    assert par.microbatches == fields.get("microbatches")  # the stored field stays unresolved
+    assert (par.num_microbatches, par.num_stages_per_rank, par.num_stages) == resolved
+    assert par.microbatches == fields.get("microbatches")  # the stored fields stay unresolved
+    assert par.stages_per_rank == fields.get("stages_per_rank")
+
+
+@pytest.mark.parametrize("fields, sizes", [
+    (dict(dp=4), (1, 4)),
+    (dict(dp=4, fsdp_strategy="hybrid"), (2, 2)),  # the default split of kernels.layout_rules.hsdp_split
+    (dict(dp=8, fsdp_strategy="hybrid"), (2, 4)),
+    (dict(dp=8, fsdp_strategy="hybrid", dp_replicate=4), (4, 2)),
+])
+def test_hsdp_sizes_resolve_dp_replicate(fields, sizes):
+    assert Parallel(**fields).hsdp_sizes == sizes
 
 
 @pytest.mark.parametrize("fields, needle", [
@@ -151,7 +165,8 @@ def test_a_plain_layout_has_no_warnings():
     assert _check(dict(dp=2, tp=2, pp=2, microbatches=4)) == []
 
 
-@pytest.mark.parametrize("fields", VALID[:6] + [dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=4)])
+@pytest.mark.parametrize("fields", VALID[:6] + [dict(pp=2, schedule="zbv", stages_per_rank=2, microbatches=4),
+                                                 dict(dp=4, fsdp_strategy="hybrid", dp_replicate=2)])
 def test_to_dict_from_dict_round_trips_through_json(fields):
     par = Parallel(**fields)
     assert Parallel.from_dict(json.loads(json.dumps(par.to_dict()))) == par
@@ -166,6 +181,7 @@ def test_from_dict_rejects_unknown_fields():
     (dict(dp=2, tp=2, pp=2, microbatches=4), "PP2×DP2×TP2 zero=0 1f1b m=4"),
     (dict(dp=4, fsdp_strategy="full", mixed_precision="bf16"), "PP1×DP4×TP1 zero=3(full) 1f1b m=1 bf16"),
     (dict(pp=2, schedule="zbv", activation_checkpointing=True), "PP2×DP1×TP1 zero=0 zbv m=2 v=2 ac"),
+    (dict(dp=8, fsdp_strategy="hybrid", dp_replicate=2), "PP1×DP8×TP1 zero=3(hybrid) 1f1b m=1 2x4"),
 ])
 def test_describe_is_one_readable_line(fields, text):
     assert Parallel(**fields).describe() == text

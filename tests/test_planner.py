@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from lab.plan_math import (GB, activation_bytes, bubble_fraction, busbw_factor, fsdp_comm_bytes, gbps,
-                           megatron_bubble, optimizer_bytes, pp_p2p_bytes, required_bandwidth,
-                           tp_allreduce_bytes, tp_size_for_memory, zero_memory)
-from lab.plan_mesh import Layout, axis_link, hybrid_groups, normalize_schedule
+from kernels.layout_rules import bubble_theory, canonical_schedule
+from lab.plan_math import (GB, activation_bytes, busbw_factor, fsdp_comm_bytes, gbps, optimizer_bytes, pp_p2p_bytes,
+                           required_bandwidth, tp_allreduce_bytes, tp_size_for_memory, zero_memory)
+from lab.plan_mesh import Layout, axis_link, hybrid_groups
 from lab.plan_models import PRESETS, custom_model, get_model
-from lab.planner import in_flight, plan
+from lab.plan_stages import in_flight
+from lab.planner import plan
 from lab.recommend import recommend
 
 MB = 1e6
@@ -140,18 +141,22 @@ def test_pp_sends_67mb_per_microbatch_and_536mb_per_iteration():
 
 def test_bubble_for_p4_m8_is_27_3_percent():
     # seeds/000 PP §1: Bubble ≈ 3 / 11 = 27.3%.
-    assert round(bubble_fraction(4, 8), 3) == 0.273
+    assert round(bubble_theory("1f1b", 4, 8)[0], 3) == 0.273
     p = plan(LLAMA70, gpus=4, parallel={"pp": 4}, microbatches=8)
     assert p.bubble == pytest.approx(3 / 11)
     assert p.bubble_megatron == pytest.approx(3 / 8)
 
 
 def test_interleaved_and_megatron_bubble_forms_of_design():
-    assert bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
-    assert megatron_bubble(4, 8, v=2) == pytest.approx(3 / 16)
-    p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2},
+    assert bubble_theory("interleaved_1f1b", 4, 8, 2) == pytest.approx((3 / 19, 3 / 16))
+    p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "interleaved_1f1b", "stages_per_rank": 2},
              microbatches=8)
     assert p.bubble == pytest.approx(3 / 19)
+
+
+def test_schedules_without_a_closed_form_bubble_say_so():
+    p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "zbv"}, microbatches=8)
+    assert (p.bubble, p.bubble_megatron) == (None, None) and "no closed form" in str(p)
 
 
 def test_m_below_4p_warns_as_the_seed_advises():
@@ -359,8 +364,26 @@ def test_hybrid_shards_inside_nodes_and_replicates_across():
     assert {e.link for e in shard} == {"intra"} and shard[0].group_size == 8
     assert replicate[0].link == "inter" and replicate[0].group_size == 4
     assert replicate[0].payload_bytes == pytest.approx(140e9 / 8)
-    shard_groups, rep_groups = hybrid_groups(Layout(dp=8), 4)
+    assert p.layout.dp_replicate == 4 and any("stay inside a node" in n for n in p.notes)
+    shard_groups, rep_groups = hybrid_groups(Layout(dp=8, fsdp_strategy="hybrid", dp_replicate=2))
     assert shard_groups == [[0, 1, 2, 3], [4, 5, 6, 7]] and rep_groups[0] == [0, 4]
+
+
+def test_hybrid_takes_dp_replicate_and_says_when_shard_groups_cross_nodes():
+    # dp=16's default split is 4 x 4; asking for 2 x 8 puts each shard group on one 8-GPU node.
+    even = plan(LLAMA70, gpus=16, parallel={"dp": 16, "fsdp_strategy": "hybrid", "dp_replicate": 4})
+    node = plan(LLAMA70, gpus=16, parallel={"dp": 16, "fsdp_strategy": "hybrid", "dp_replicate": 2})
+    assert [e.group_size for e in node.comm if e.axis == "dp_shard"][0] == 8
+    assert model_states(node) < model_states(even)
+    crossing = plan(LLAMA70, gpus=16, gpus_per_node=2, parallel={"dp": 16, "fsdp_strategy": "hybrid"})
+    assert any("cross nodes" in n for n in crossing.notes)
+
+
+def test_recommend_shards_hybrid_inside_a_node():
+    for cand in recommend(LLAMA70, gpus=32, fsdp_strategy="hybrid", zero=3):
+        lay = cand.layout
+        assert cand.parallel["dp_replicate"] == lay.dp_replicate  # replicate across nodes, shard a whole node
+        assert lay.dp_shard * lay.tp <= 8 and (lay.dp_replicate == 1 or lay.dp_shard * lay.tp == 8), lay
 
 
 def test_world_size_mismatch_and_bad_batches_raise():
@@ -383,8 +406,9 @@ class FakeParallel:
     fsdp_strategy: str | None = None
     schedule: str = "1f1b"
     microbatches: int | None = None
-    virtual_stages: int | None = None
+    stages_per_rank: int | None = None
     sequence_parallel: bool = False
+    dp_replicate: int | None = None
     activation_checkpointing: bool = False
 
 
@@ -393,7 +417,7 @@ def test_any_object_with_parallel_attributes_is_accepted():
                                                      microbatches=8))
     assert (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.zero) == (2, 8, 2, 1)
     assert p.layout.schedule == "gpipe" and p.microbatches == 8
-    assert normalize_schedule("Interleaved1F1B") == "interleaved_1f1b"
+    assert canonical_schedule("Interleaved1F1B") == "interleaved_1f1b"
 
 
 def test_plan_is_json_able_and_renders_text_and_html():

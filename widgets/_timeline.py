@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kernels.records import BubbleReport, TraceEvent
+from kernels.schedule_simulation import lay_out
 
 LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
 KINDS = {"F": "forward", "B": "backward", "I": "backward", "W": "backward_weight"}
@@ -62,15 +63,6 @@ def _mean_ms(cols: dict[str, Any]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in spans.items()}
 
 
-def _ready(stage: int, letter: str, mb: int, done: dict, last: int) -> float | None:
-    """When an action's input exists (as ``lab.timeline.simulate``), None if its producer is not placed."""
-    if letter == "F":
-        return 0.0 if stage == 0 else done.get((stage - 1, "F", mb))
-    if letter in ("B", "I"):
-        return done.get((stage, "F", mb)) if stage == last else done.get((stage + 1, "G", mb))
-    return done.get((stage, "G", mb))
-
-
 def _planned_layout(planned: dict | None, mean: dict[str, float], origin: float = 0.0) -> dict[str, list]:
     """The planned order per rank laid out from ``origin`` with the measured mean duration per letter.
 
@@ -78,27 +70,13 @@ def _planned_layout(planned: dict | None, mean: dict[str, float], origin: float 
     stuck rank with the earliest free time places its next action as soon as it is free.
     """
     orders = {int(r): [tuple(a) for a in acts] for r, acts in (planned or {}).items() if acts}
-    cols: dict[str, list] = {k: [] for k in ("rank", "stage", "kind", "mb", "start", "end")}
     fallback = sum(mean.values()) / len(mean) if mean else 1.0
-    last = max((a[0] for o in orders.values() for a in o), default=0)
-    pos, free, done = dict.fromkeys(orders, 0), dict.fromkeys(orders, 0.0), {}
-
-    def place(r: int, ready: float) -> None:
-        stage, letter, mb = orders[r][pos[r]]
-        start = max(free[r], ready)
-        free[r] = done[(stage, "G" if letter in ("B", "I") else letter, mb)] = start + mean.get(letter, fallback)
-        for key, value in zip(cols, (r, stage, letter, mb, round(origin + start, 3), round(origin + free[r], 3))):
+    costs = {letter: mean.get(letter, fallback) for letter in KINDS}
+    cols: dict[str, list] = {k: [] for k in ("rank", "stage", "kind", "mb", "start", "end")}
+    for p in lay_out(orders, costs, force_when_stuck=True):
+        for key, value in zip(cols, (p.rank, p.stage, p.letter, p.microbatch,
+                                     round(origin + p.start, 3), round(origin + p.end, 3))):
             cols[key].append(value)
-        pos[r] += 1
-
-    while any(pos[r] < len(o) for r, o in orders.items()):
-        moved = False
-        for r, order in orders.items():
-            while pos[r] < len(order) and (ready := _ready(*order[pos[r]], done, last)) is not None:
-                place(r, ready)
-                moved = True
-        if not moved:
-            place(min((r for r in orders if pos[r] < len(orders[r])), key=lambda r: free[r]), 0.0)
     return cols
 
 
