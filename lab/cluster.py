@@ -28,11 +28,12 @@ if TYPE_CHECKING:
 class Cluster(WorldKeeper):
     """A pool of ranks; use :func:`lab.start` or :func:`lab.connect` to make one."""
 
-    def __init__(self, source: launch.EngineSource, *, backend: str = "auto",
+    def __init__(self, source: launch.EngineSource, *, backend: str = "auto", share_gpu: bool = False,
                  threads_per_rank: int | None = None, timeout: float = 60.0,
                  collective_timeout: float = 300.0, activate: bool = True) -> None:
         self._source = source
         self._backend_request = backend
+        self._share_gpu = share_gpu
         self._threads_request = threads_per_rank
         self._timeout = timeout
         self._collective_timeout = collective_timeout

@@ -41,7 +41,7 @@ class WorldKeeper:
         described = client[ids].apply_sync(runtime.describe_engine, controller_host)
         infos = [EngineInfo(engine_id=eid, host=d["host"], ip=d["ip"], pid=d["pid"],
                             gpus=tuple(d["gpus"]), cpu_count=d["cpu_count"]) for eid, d in zip(ids, described)]
-        self._rank_map = build_rank_map(infos, self._backend_request)
+        self._rank_map = build_rank_map(infos, self._backend_request, share_gpu=self._share_gpu)
         self._views = {r.rank: client[r.engine_id] for r in self._rank_map.ranks}
         # Only this machine's engines can be checked by PID; others rely on ipyparallel's heartbeat.
         here = socket.gethostname()

@@ -8,13 +8,15 @@ from lab.cluster import Cluster, default_rank_count
 
 
 def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | None = None,
-          timeout: float = 60.0, *, controller_ip: str = "127.0.0.1",
+          timeout: float = 60.0, *, share_gpu: bool = False, controller_ip: str = "127.0.0.1",
           collective_timeout: float = 300.0, activate: bool = True) -> Cluster:
     """Start ``n`` engines on this machine and build a torch.distributed world on them.
 
     Args:
         n: ranks; default one per visible GPU, or 4 CPU ranks when there is none.
         backend: "auto" (NCCL when every rank has its own GPU, else gloo), "nccl" or "gloo".
+        share_gpu: with fewer GPUs than ranks, put the gloo ranks on the GPUs (round robin)
+            instead of the CPU; the rank table's note says that timings include their contention.
         threads_per_rank: torch threads per rank; default cores // ranks (at least 1).
         timeout: seconds to wait for engines and for the process group to form.
         controller_ip: where the controller listens; loopback unless you need other hosts.
@@ -28,21 +30,21 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // n)
     source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout,
                                 engine_env={"OMP_NUM_THREADS": str(threads)})
-    return Cluster(source, backend=backend, threads_per_rank=threads_per_rank, timeout=timeout,
-                   collective_timeout=collective_timeout, activate=activate)
+    return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
+                   timeout=timeout, collective_timeout=collective_timeout, activate=activate)
 
 
 def connect(profile: str | None = None, cluster_id: str | None = None, *, url_file: str | None = None,
             profile_dir: str | None = None, n: int | None = None, backend: str = "auto",
-            threads_per_rank: int | None = None, timeout: float = 60.0,
+            share_gpu: bool = False, threads_per_rank: int | None = None, timeout: float = 60.0,
             collective_timeout: float = 300.0, activate: bool = True) -> Cluster:
     """Attach to engines started by ``ipcluster`` (local, MPI, SSH or Slurm launchers).
 
     Every engine becomes a rank. The lab never stops or kills these engines; it
     only builds (and on ``stop()`` tears down) the process group on them.
-    ``n`` waits until that many engines have registered.
+    ``n`` waits until that many engines have registered; ``share_gpu`` is as for :func:`start`.
     """
     source = launch.connect_existing(profile, cluster_id, url_file=url_file, profile_dir=profile_dir,
                                      n=n, timeout=timeout)
-    return Cluster(source, backend=backend, threads_per_rank=threads_per_rank, timeout=timeout,
-                   collective_timeout=collective_timeout, activate=activate)
+    return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
+                   timeout=timeout, collective_timeout=collective_timeout, activate=activate)

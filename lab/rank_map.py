@@ -10,7 +10,10 @@ world before any process group exists. The rule (DESIGN.md section 3):
   lists (per-engine binding, e.g. Slurm's one GPU per task), each takes ``cuda:0`` = its own
   first GPU, and those must differ across the host;
 * the backend is ``nccl`` only when that gives every rank its own GPU, else ``gloo`` on CPU,
-  and the map's ``note`` says why.
+  and the map's ``note`` says why;
+* with ``share_gpu=True`` and fewer GPUs than ranks, the ranks stay on gloo but compute on
+  the GPUs, local rank i on the host's GPU i mod g (NCCL refuses two ranks on one GPU, while
+  gloo runs the collectives DDP, FSDP2 and DTensor need on CUDA tensors).
 """
 from __future__ import annotations
 
@@ -111,33 +114,63 @@ def _choose_backend(backend: str, plans: dict[str, Placement | str],
     if problems and backend == "nccl":
         raise RankMapError("backend 'nccl' needs one GPU per rank: " + "; ".join(problems))
     if not problems:
-        return "nccl", (f"nccl: each of {len(engines)} ranks has its own GPU on "
-                        f"{_plural(len(plans), 'host')}")
+        each = "the rank has" if len(engines) == 1 else f"each of {len(engines)} ranks has"
+        return "nccl", f"nccl: {each} its own GPU on {_plural(len(plans), 'host')}"
     if not any(e.gpus for e in engines):
         return "gloo", "no GPUs visible: CPU ranks with gloo"
-    return "gloo", "; ".join(problems) + ": using gloo on CPU; NCCL needs one GPU per rank"
+    return "gloo", ("; ".join(problems) + ": using gloo on CPU; NCCL needs one GPU per rank "
+                    "(share_gpu=True puts the ranks on the GPUs with gloo instead)")
 
 
-def build_rank_map(engines: Sequence[EngineInfo], backend: str = "auto", *,
+def _share_gpus(hosts: dict[str, list[EngineInfo]]) -> tuple[dict[str, Placement], str] | None:
+    """Each host's ranks spread round-robin over the GPUs it sees, or None where a host sees none."""
+    plans: dict[str, Placement] = {}
+    counts = []
+    for host, engs in hosts.items():
+        if not all(e.gpus for e in engs):
+            return None
+        if len({e.gpus for e in engs}) == 1:  # one list for all: local rank i -> GPU i mod g
+            gpus = list(dict.fromkeys(engs[0].gpus))
+            plans[host] = [(f"cuda:{i % len(gpus)}", gpus[i % len(gpus)]) for i in range(len(engs))]
+        else:  # per-engine binding: each keeps its own first GPU, maybe the same as a neighbour's
+            gpus = list(dict.fromkeys(e.gpus[0] for e in engs))
+            plans[host] = [("cuda:0", e.gpus[0]) for e in engs]
+        counts.append(f"{_plural(len(engs), 'rank')} on {_plural(len(gpus), 'GPU')} of host {host!r}")
+    note = ("gloo with CUDA tensors, GPUs shared: " + ", ".join(counts) + ". Ranks on one GPU take turns "
+            "on it, so step times include that contention and are no per-GPU speed")
+    return plans, note
+
+
+def build_rank_map(engines: Sequence[EngineInfo], backend: str = "auto", *, share_gpu: bool = False,
                    require_equal_hosts: bool = False) -> RankMap:
     """Turn the engines' reports into the world's rank map.
 
     ``backend`` is "auto" (nccl when every rank has its own GPU, else gloo on CPU),
     "nccl" (raise RankMapError when some rank has no GPU of its own) or "gloo" (CPU ranks).
+    ``share_gpu`` lets gloo ranks compute on GPUs when there are fewer GPUs than ranks (with
+    "auto" or "gloo"; with no GPU visible the ranks stay on the CPU and the note says so).
     ``require_equal_hosts`` raises when hosts have different rank counts, as a mesh with a
     per-host axis (e.g. HSDP's replicate axis) needs.
     """
     _check_engines(engines, backend)
+    if share_gpu and backend == "nccl":
+        raise RankMapError("share_gpu=True runs gloo: NCCL refuses two ranks on one GPU "
+                           "('Duplicate GPU detected'); use backend 'auto' or 'gloo'")
     hosts = group_by_host(engines)
     if require_equal_hosts:
         _check_equal_hosts(hosts)
     plans = {h: place_host(h, engs) for h, engs in hosts.items()}
     chosen, note = _choose_backend(backend, plans, engines)
+    shared = _share_gpus(hosts) if share_gpu and chosen == "gloo" else None
+    if shared is not None:
+        note = shared[1]
+    elif share_gpu and chosen == "gloo":
+        note += "; share_gpu=True has no GPU to share on some host"
     ranks: list[RankInfo] = []
     for host, engs in hosts.items():
         plan = plans[host]
         cpu: Placement = [("cpu", None)] * len(engs)
-        places = plan if chosen == "nccl" and isinstance(plan, list) else cpu
+        places = plan if chosen == "nccl" and isinstance(plan, list) else shared[0][host] if shared else cpu
         for local_rank, (e, (device, gpu)) in enumerate(zip(engs, places)):
             ranks.append(RankInfo(rank=len(ranks), local_rank=local_rank, engine_id=e.engine_id,
                                   host=host, ip=e.ip, pid=e.pid, device=device, gpu=gpu,
