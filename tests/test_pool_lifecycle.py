@@ -69,6 +69,7 @@ def test_rank_table_shows_rank_host_pid_device_backend_threads(cluster):
     assert page.count("<tr") == 5 and "gloo" in page and "cluster-lab-ranks" in page
 
 
+@pytest.mark.slow  # starts a second 4-rank pool to see its warning
 def test_threads_per_rank_are_set_and_oversubscription_is_warned():
     if os.cpu_count() >= 4:
         pytest.skip("this machine has enough cores for 4 ranks: no oversubscription to warn about")
