@@ -48,6 +48,7 @@ def alive(pids):
     return [p for p in pids if launch.is_alive(p)]
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_rank_raising_while_peers_wait_in_collective_raises_rank_error_and_world_recovers(cluster):
     start = time.monotonic()
     with pytest.raises(lab.RankError) as info:
@@ -61,6 +62,7 @@ def test_rank_raising_while_peers_wait_in_collective_raises_rank_error_and_world
     assert cluster.run(rank_sum) == [6.0] * 4
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_timeout_names_the_late_ranks_interrupts_them_and_world_recovers(cluster):
     start = time.monotonic()
     with pytest.raises(lab.RankTimeoutError) as info:
@@ -70,6 +72,7 @@ def test_timeout_names_the_late_ranks_interrupts_them_and_world_recovers(cluster
     assert cluster.run(rank_sum) == [6.0] * 4
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_interrupt_signals_every_engine_and_pool_is_usable_after(cluster):
     pids = [r.pid for r in cluster.rank_map.ranks]
     threading.Timer(1.0, _thread.interrupt_main).start()
@@ -82,6 +85,7 @@ def test_interrupt_signals_every_engine_and_pool_is_usable_after(cluster):
 
 
 @pytest.mark.slow  # restarts all four engines
+@pytest.mark.usefixtures("fresh_world")
 def test_killed_engine_is_named_within_ten_seconds_and_restart_brings_world_back(cluster):
     victim = cluster.rank_map.ranks[3]
     threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
