@@ -15,7 +15,7 @@ import torch
 import lab
 from lab import launch
 
-PROBE_TIMEOUT_S = 30  # a rank_sum round trip takes well under a second, even on two loaded cores
+PROBE_TIMEOUT_S = 30  # the probe all_reduce of one number takes well under a second, even on two loaded cores
 
 
 def start_pool(n: int = 4, timeout: float = 60) -> lab.Cluster:
