@@ -146,7 +146,7 @@ def test_bubble_for_p4_m8_is_27_3_percent():
     assert p.bubble_megatron == pytest.approx(3 / 8)
 
 
-def test_interleaving_two_stages_per_rank_shrinks_both_bubble_forms():
+def test_interleaved_and_megatron_bubble_forms_of_design():
     assert bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
     assert megatron_bubble(4, 8, v=2) == pytest.approx(3 / 16)
     p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2},
@@ -154,7 +154,7 @@ def test_interleaving_two_stages_per_rank_shrinks_both_bubble_forms():
     assert p.bubble == pytest.approx(3 / 19)
 
 
-def test_fewer_than_4p_microbatches_warns():
+def test_m_below_4p_warns_as_the_seed_advises():
     # seeds/000 PP §3: M >= 4 × P (P=4 -> M >= 16).
     short = plan(LLAMA70, gpus=4, parallel={"pp": 4}, microbatches=8, seq_len=1024)
     ok = plan(LLAMA70, gpus=4, parallel={"pp": 4}, microbatches=16, seq_len=1024)

@@ -41,7 +41,7 @@ def test_our_planned_order_simulates_to_the_theoretical_bubble(schedule, pp, m):
     assert max(report.idle) - min(report.idle) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_bubble_theory_is_p_minus_1_over_vm_plus_p_minus_1_and_none_for_v_schedules():
+def test_theory_formulas_match_design():
     assert theory("gpipe", 4, 8) == pytest.approx((3 / 11, 3 / 8))
     assert theory("interleaved_1f1b", 4, 8, 2) == pytest.approx((3 / 19, 3 / 16))
     assert theory("zbv", 4, 8, 2) == (None, None)
