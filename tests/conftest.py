@@ -1,4 +1,10 @@
-"""Shared fixtures: 4- and 8-rank CPU pools that are always stopped, whatever the test did."""
+"""Shared fixtures: one 4-rank and one 8-rank CPU pool for the whole session, healed between tests, always stopped.
+
+Starting a pool costs 8-20 s on two cores, so every module that asks for ``cluster`` (or ``cluster8``) gets
+the same pool. A test may kill, interrupt or restart the shared pool's engines as long as it leaves the
+world usable; when it does not (or when it fails half way), the pool is restarted before the next test.
+A test that needs to stop a pool starts its own with :func:`start_pool`.
+"""
 from __future__ import annotations
 
 import warnings
@@ -7,6 +13,9 @@ import pytest
 import torch
 
 import lab
+from lab import launch
+
+PROBE_TIMEOUT_S = 30  # the probe all_reduce of one number takes well under a second, even on two loaded cores
 
 
 def start_pool(n: int = 4, timeout: float = 60) -> lab.Cluster:
@@ -16,32 +25,51 @@ def start_pool(n: int = 4, timeout: float = 60) -> lab.Cluster:
         return lab.start(n=n, backend="gloo", timeout=timeout, collective_timeout=60, activate=False)
 
 
-@pytest.fixture
-def one_thread():
-    """Two cores are shared with the ranks and other jobs: one-process work runs on one thread, like each rank."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+def _world_sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    pool = start_pool(4)
+def pool_is_healthy(pool: lab.Cluster, *, probe: bool) -> bool:
+    """No rank known dead and every engine process alive; with ``probe``, an all_reduce also answers."""
+    if pool._stopped or pool._dead or not all(launch.is_alive(r.pid) for r in pool.rank_map.ranks):
+        return False
+    if not probe:
+        return True
     try:
-        yield pool
-    finally:
-        pool.stop()
+        return pool.run(_world_sum, timeout=PROBE_TIMEOUT_S) == [float(pool.world_size)] * pool.world_size
+    except Exception:  # any failure of the probe means the world needs rebuilding
+        return False
 
 
-@pytest.fixture(scope="module")
-def cluster8():
-    """Eight ranks for 3D (pp, dp, tp) layouts; started only by the tests that ask for it."""
-    pool = start_pool(8, timeout=180)  # eight engines import torch on two shared cores
-    try:
-        yield pool
-    finally:
-        pool.stop()
+class SharedPools:
+    """The session's pools by rank count: started on first use, restarted when a test leaves one broken."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, lab.Cluster] = {}
+
+    def get(self, n: int) -> lab.Cluster:
+        """The shared n-rank pool, started now if no test asked for it yet (or a test stopped it)."""
+        pool = self._pools.get(n)
+        if pool is None or pool._stopped:
+            pool = self._pools[n] = start_pool(n, timeout=60 if n <= 4 else 180)  # 8 engines import torch slowly
+        return pool
+
+    def heal(self, pool: lab.Cluster, *, probe: bool) -> None:
+        """Restart ``pool`` in place (same object, fresh engines) unless it is healthy."""
+        if pool._stopped or pool_is_healthy(pool, probe=probe):
+            return
+        pool.restart()
+
+    def stop_all(self) -> None:
+        """Stop every shared pool (each stop is checked by PID inside the lab)."""
+        for pool in self._pools.values():
+            pool.stop()
+        self._pools.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,3 +82,72 @@ def no_engine_outlives_the_tests():
     leftovers = [p for p in me.children(recursive=True)
                  if "ipyparallel" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"
+
+
+@pytest.fixture(scope="session")
+def shared_pools(no_engine_outlives_the_tests):
+    """Depends on the leftover check so that the pools are stopped before it looks."""
+    pools = SharedPools()
+    try:
+        yield pools
+    finally:
+        pools.stop_all()
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_pools):
+    """The session's 4-rank pool (module-scoped so that module-scoped fixtures can run on it)."""
+    return shared_pools.get(4)
+
+
+@pytest.fixture(scope="module")
+def cluster8(shared_pools):
+    """The session's 8-rank pool for 3D (pp, dp, tp) layouts; started only if a selected test asks for it."""
+    return shared_pools.get(8)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Remember whether a test failed, so the pool check after it also probes the world."""
+    outcome = yield
+    if outcome.get_result().failed:
+        item.failed_a_phase = True
+
+
+@pytest.fixture(autouse=True)
+def shared_pool_left_healthy(request):
+    """After a test that used a shared pool, restart the pool if the test left it dead or wedged.
+
+    A passing test is checked cheaply (engines alive, none known dead); a failed one may have left ranks
+    inside a collective, so its pool is also probed with an all_reduce. Stopping a shared pool is an error
+    of the test: the next module gets a fresh pool, but later tests of this module would see it stopped.
+    """
+    yield
+    for name in ("cluster", "cluster8"):
+        if name not in request.fixturenames:
+            continue
+        pool = request.getfixturevalue(name)
+        assert not pool._stopped, (f"{request.node.nodeid} stopped the shared {pool.world_size}-rank pool; "
+                                   "a test that stops a pool starts its own with tests.conftest.start_pool()")
+        request.getfixturevalue("shared_pools").heal(pool, probe=getattr(request.node, "failed_a_phase", False))
+
+
+@pytest.fixture
+def fresh_world(cluster):
+    """A new process group on the shared 4-rank pool, for tests that time how a rank failure spreads.
+
+    After a training run on a world, a rank that fails no longer closes its peers' connections when it
+    leaves (they wait out the grace periods and get killed: about 15 s instead of under 1 s), while a
+    world formed afresh fails fast; tests of fail-fast recovery start from the world a new pool has.
+    """
+    cluster._form_world()
+    return cluster
+
+
+@pytest.fixture
+def one_thread():
+    """Two cores are shared with the ranks and other jobs: one-process work runs on one thread, like each rank."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

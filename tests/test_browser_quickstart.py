@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "notebooks" / "00_quickstart.ipynb"
 
 
+@pytest.mark.slow  # JupyterLab in a headless browser
 def test_quickstart_renders_the_rank_table_in_jupyterlab(tmp_path):
     require_browser()
     with browser_session(QUICKSTART, tmp_path, done_text="every rank holds") as page:

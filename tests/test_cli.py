@@ -15,6 +15,7 @@ def test_expected_values_are_computed_by_hand_not_by_torch():
     assert expected_output("broadcast", 3, 4) == [7.0]
 
 
+@pytest.mark.slow  # a 2-rank pool and a training run in a subprocess
 def test_demo_prints_every_collective_for_every_rank_and_all_match():
     done = subprocess.run(["cluster-lab", "--ranks", "2", "--train-ranks", "2", "demo"], capture_output=True,
                           text=True, timeout=180)
@@ -35,6 +36,7 @@ def test_default_demo_trains_the_gpt_in_3d_beside_one_process():
     assert "losses equal the one-process reference" in done.stdout
 
 
+@pytest.mark.slow  # starts a 2-rank pool in a subprocess
 def test_info_prints_the_rank_table():
     done = subprocess.run(["cluster-lab", "--ranks", "2", "info"], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr

@@ -12,7 +12,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 CELL_TIMEOUT_S = 90  # a whole notebook must finish in 90 s here; no single cell may take longer
 
 
-def test_there_are_notebooks():
+def test_the_notebooks_folder_holds_the_curriculum():
     assert NOTEBOOKS
 
 
@@ -23,6 +23,7 @@ def test_notebook_in_git_has_no_outputs_or_execution_counts(path):
     assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
 
 
+@pytest.mark.slow  # executing the eight notebooks is about 40% of the suite
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_and_its_last_cell_checks_theory(path):
     nb = nbformat.read(path, as_version=4)

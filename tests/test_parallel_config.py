@@ -117,7 +117,7 @@ VALID = [
 
 
 @pytest.mark.parametrize("fields", VALID, ids=[Parallel(**f).describe() for f in VALID])
-def test_valid_layouts_pass(fields):
+def test_valid_layouts_raise_nothing_and_warn_in_plain_strings(fields):
     warnings = _check(fields, batch=48)
     assert isinstance(warnings, list) and all(isinstance(w, str) for w in warnings)
 

@@ -37,7 +37,7 @@ def model_states(p) -> float:
 
 # --- seeds/000 §"FSDP の動作原理 / メモリ削減のメカニズム" ------------------------------------
 
-def test_ddp_llama3_70b_holds_560gb_per_gpu_in_the_seeds_bf16_adam_convention():
+def test_ddp_llama3_70b_holds_560gb_per_gpu_with_bf16_adam_states():
     # seeds/000: Parameters 140GB + Gradients 140GB + Optimizer States (Adam) 280GB = 560GB/GPU.
     # The seed keeps Adam's momentum + variance in bf16 (4 bytes/param): optimizer="adam_bf16".
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8, "zero": 0}, optimizer="adam_bf16")
@@ -53,7 +53,7 @@ def test_fsdp_over_8_gpus_holds_70gb_split_17_5_17_5_35(parallel):
     assert model_states(p) == 70e9
 
 
-def test_design_adam_convention_doubles_the_seed_figure_for_ddp():
+def test_ddp_with_mixed_precision_adam_holds_16_bytes_per_parameter():
     # DESIGN §3: mixed-precision Adam holds 2+2+12 bytes/param, so DDP needs 16Ψ = 1120GB.
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8}, optimizer="adam")
     assert model_states(p) == 1120e9
@@ -225,7 +225,7 @@ def test_recommend_reproduces_the_1024_gpu_405b_layout_with_dp_fixed_at_8():
     assert "DP fixed at 8" in rec.best.reason
 
 
-def test_recommend_without_fixed_dp_grows_dp_and_matches_the_seeds_405b_table_row():
+def test_recommend_without_fixed_dp_puts_405b_on_tp8_pp4_and_grows_dp():
     # seeds/000 "Amazon EC2 UltraClusters" table: 405B -> TP 8, PP 4 (DP grows with the GPUs).
     rec = recommend("llama3.1-405b", 1024, 8, 80, seq_len=4096, activation_checkpointing=True)
     assert (rec.best.layout.tp, rec.best.layout.pp, rec.best.layout.dp) == (8, 4, 32)
@@ -261,7 +261,7 @@ def test_model_table_training_memory_is_16_bytes_per_parameter(name, fp32_gb, tr
 
 
 @pytest.mark.parametrize("name, fp32_mb", [("resnet-50", 100), ("bert-base", 440)])
-def test_model_table_fp32_sizes(name, fp32_mb):
+def test_model_table_fp32_size_is_4_bytes_per_parameter(name, fp32_mb):
     # seeds/003: ResNet-50 25M -> 100MB, BERT-Base 110M -> 440MB in FP32.
     assert get_model(name).params * 4 / MB == pytest.approx(fp32_mb)
 
@@ -278,7 +278,7 @@ def test_model_names_are_case_and_separator_insensitive(alias):
     assert get_model(alias) is PRESETS["llama3-70b"]
 
 
-def test_gpt3_and_405b_aliases_and_unknown_names():
+def test_gpt3_and_405b_aliases_resolve_and_unknown_names_raise():
     assert get_model("gpt3-175b").layers == 96
     assert get_model("GPT-3-175B").hidden == 12288
     assert get_model("llama-3.1-405b").layers == 126
@@ -286,7 +286,7 @@ def test_gpt3_and_405b_aliases_and_unknown_names():
         get_model("llama9-1t")
 
 
-def test_custom_model_by_shape_or_by_count():
+def test_custom_model_by_shape_count_or_dict_and_count_only_plans_warn():
     by_shape = custom_model(layers=2, hidden=64, heads=4, ffn=256, vocab=256, seq_len=32)
     assert by_shape.params == by_shape.shape_params > 0
     by_count = get_model(3e9)
@@ -300,7 +300,7 @@ def test_custom_model_by_shape_or_by_count():
 # --- DESIGN §3: ZeRO reference, bus bandwidth, communication volume ---------------------------
 
 @pytest.mark.parametrize("psi, n, k", [(70e9, 8, 12), (1.5e9, 64, 12), (1e6, 3, 4)])
-def test_zero_formulas_of_design(psi, n, k):
+def test_zero_stage_memory_follows_the_zero_paper_formulas(psi, n, k):
     expected = {0: (2 + 2 + k) * psi, 1: (2 + 2 + k / n) * psi,
                 2: (2 + (2 + k) / n) * psi, 3: (2 + 2 + k) * psi / n}
     for stage, total in expected.items():
@@ -313,7 +313,7 @@ def test_plan_memory_follows_the_zero_reference(stage, factor):
     assert model_states(p) == pytest.approx(factor * 1.5e9)
 
 
-def test_fp32_uses_the_bytes_actually_held():
+def test_fp32_training_holds_16_bytes_per_parameter():
     # DESIGN §3: in fp32 the parameters are the master copy: 4 + 4 + 8 (Adam moments).
     assert optimizer_bytes("adam", "fp32") == 8
     p = plan("gpt2-1.5b", gpus=1, parallel={"dp": 1}, dtype="fp32")
@@ -323,7 +323,7 @@ def test_fp32_uses_the_bytes_actually_held():
 @pytest.mark.parametrize("op, n, factor", [
     ("all_reduce", 8, 2 * 7 / 8), ("all_reduce", 2, 1.0), ("all_gather", 8, 7 / 8),
     ("reduce_scatter", 4, 3 / 4), ("broadcast", 8, 1.0), ("p2p", 2, 1.0)])
-def test_nccl_tests_busbw_factors(op, n, factor):
+def test_busbw_factors_are_those_of_nccl_tests(op, n, factor):
     assert busbw_factor(op, n) == pytest.approx(factor)
 
 

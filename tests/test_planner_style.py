@@ -14,7 +14,7 @@ def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
-def test_the_planner_modules_exist():
+def test_planner_is_split_into_its_four_modules():
     names = {p.name for p in MODULES}
     assert {"planner.py", "recommend.py", "plan_models.py", "plan_math.py"} <= names
 

@@ -48,6 +48,7 @@ def alive(pids):
     return [p for p in pids if launch.is_alive(p)]
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_rank_raising_while_peers_wait_in_collective_raises_rank_error_and_world_recovers(cluster):
     start = time.monotonic()
     with pytest.raises(lab.RankError) as info:
@@ -61,6 +62,7 @@ def test_rank_raising_while_peers_wait_in_collective_raises_rank_error_and_world
     assert cluster.run(rank_sum) == [6.0] * 4
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_timeout_names_the_late_ranks_interrupts_them_and_world_recovers(cluster):
     start = time.monotonic()
     with pytest.raises(lab.RankTimeoutError) as info:
@@ -70,6 +72,7 @@ def test_timeout_names_the_late_ranks_interrupts_them_and_world_recovers(cluster
     assert cluster.run(rank_sum) == [6.0] * 4
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_interrupt_signals_every_engine_and_pool_is_usable_after(cluster):
     pids = [r.pid for r in cluster.rank_map.ranks]
     threading.Timer(1.0, _thread.interrupt_main).start()
@@ -81,6 +84,8 @@ def test_interrupt_signals_every_engine_and_pool_is_usable_after(cluster):
     assert [r.pid for r in cluster.rank_map.ranks] == pids  # recovered without restarting engines
 
 
+@pytest.mark.slow  # restarts all four engines
+@pytest.mark.usefixtures("fresh_world")
 def test_killed_engine_is_named_within_ten_seconds_and_restart_brings_world_back(cluster):
     victim = cluster.rank_map.ranks[3]
     threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
@@ -98,6 +103,7 @@ def test_killed_engine_is_named_within_ten_seconds_and_restart_brings_world_back
     assert not alive(old)
 
 
+@pytest.mark.slow  # starts and stops a pool of its own
 def test_stop_leaves_no_process_the_lab_started():
     pool = start_pool(2)
     pids = pool.pids
@@ -109,6 +115,7 @@ def test_stop_leaves_no_process_the_lab_started():
         pool.run(rank_sum)
 
 
+@pytest.mark.slow  # starts a pool in a subprocess
 def test_interpreter_exit_leaves_no_process_the_lab_started():
     script = ("import warnings, lab\nwarnings.simplefilter('ignore')\n"
               "c = lab.start(n=2, backend='gloo', activate=False)\nprint(sorted(c.pids), flush=True)\n")
@@ -140,6 +147,7 @@ def wait_for_a_message_nobody_sends() -> None:
     dist.recv(t, src=(dist.get_rank() + 1) % dist.get_world_size())
 
 
+@pytest.mark.slow  # waits out the grace periods, then restarts all four engines
 def test_ranks_wedged_in_a_collective_are_replaced_so_the_pool_never_hangs(cluster):
     old = [r.pid for r in cluster.rank_map.ranks]
     start = time.monotonic()

@@ -69,6 +69,7 @@ def test_rank_table_shows_rank_host_pid_device_backend_threads(cluster):
     assert page.count("<tr") == 5 and "gloo" in page and "cluster-lab-ranks" in page
 
 
+@pytest.mark.slow  # starts a second 4-rank pool to see its warning
 def test_threads_per_rank_are_set_and_oversubscription_is_warned():
     if os.cpu_count() >= 4:
         pytest.skip("this machine has enough cores for 4 ranks: no oversubscription to warn about")
@@ -94,6 +95,7 @@ def test_controller_is_on_loopback_signed_and_its_files_are_private(cluster):
     assert files and all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)
 
 
+@pytest.mark.usefixtures("fresh_world")
 def test_cluster_view_follows_a_call_live_and_marks_a_failed_rank_red(cluster):
     view = cluster.view()
     seen = []

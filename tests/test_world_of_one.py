@@ -74,7 +74,8 @@ def test_a_remote_error_without_type_or_message_still_says_what_is_known():
     assert failure.ename == "RemoteError" and "no exception type or message" in failure.evalue
 
 
-def test_cli_demo_and_info_on_one_rank():
+@pytest.mark.slow  # two subprocesses, each starting its own pool
+def test_cli_on_one_rank_matches_every_collective_and_says_1_rank():
     done = subprocess.run(["cluster-lab", "--ranks", "1", "--train-ranks", "1", "demo"], capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
