@@ -48,8 +48,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from kernels.llama import Llama, LlamaConfig, build_llama, count_parameters, keep_layers, stage_layer_range
-from kernels.mesh import ParallelDims, build_mesh
+from kernels import layout_rules
+from kernels.llama import Llama, LlamaConfig, build_llama, count_parameters, keep_layers
+from kernels.parallel.mesh import ParallelDims, build_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -157,7 +158,7 @@ def model_states(cfg: dict[str, Any], whole: dict[str, dict], shards: dict[str, 
 def _meshes(dims: ParallelDims, hybrid_shard: int) -> tuple[DeviceMesh, DeviceMesh]:
     """(mesh with a "tp" axis, the mesh FSDP shards over). On the fake backend groups are
     created but nothing connects. HSDP: dp splits into (replicate, shard), shard fastest,
-    so a shard group is dp-neighbours (as kernels.mesh.build_hsdp_mesh orders them)."""
+    so a shard group is dp-neighbours (as kernels.parallel.mesh.build_hsdp_mesh orders them)."""
     if not hybrid_shard:
         mesh = build_mesh(dims, "cpu")
         return mesh, mesh["dp"]
@@ -188,7 +189,7 @@ def build_shard(cfg: dict[str, Any]) -> tuple[Llama, dict[str, Any]]:
         apply_fsdp(model, dp_mesh, int(cfg["zero"]))
     shards = local_shapes(model)
     info = {"rank": dist.get_rank(), "world": dims.world_size, "coords": coords, "model_params": total,
-            "layers": _span(stage_layer_range(model.config.layers, dims.pp, coords["pp"])),
+            "layers": _span(layout_rules.layer_split(model.config.layers, dims.pp, coords["pp"])),
             "shards": _group_rows(shards), "bytes": model_states(cfg, whole, shards),
             "build_s": t1 - t0, "fsdp_s": time.perf_counter() - t1, "device": "meta", "backend": "fake"}
     return model, info

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import layout_rules
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -180,18 +182,6 @@ def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device
     return model
 
 
-def stage_layer_range(layers: int, num_stages: int, stage: int) -> range:
-    """Blocks of pipeline stage ``stage``: the first ``layers % num_stages`` stages take one more.
-
-    126 layers on 16 stages: stages 0-13 hold 8 blocks, stages 14-15 hold 7.
-    """
-    if not 0 <= stage < num_stages or layers < num_stages:
-        raise ValueError(f"stage {stage} of {num_stages} needs 0 <= stage < num_stages <= layers={layers}")
-    per, extra = divmod(layers, num_stages)
-    start = stage * per + min(stage, extra)
-    return range(start, start + per + (1 if stage < extra else 0))
-
-
 def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
     """Cut ``model`` in place to one pipeline stage: its blocks, plus the embeddings on the
     first stage and the final norm and head on the last.
@@ -199,7 +189,7 @@ def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
     A tied head on a last stage that is not also the first gets its own copy of the vocab
     matrix (as Megatron does; the two copies are all-reduced in backward).
     """
-    keep = {str(i) for i in stage_layer_range(model.config.layers, num_stages, stage)}
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
     for name in [n for n in model.blocks if n not in keep]:
         del model.blocks[name]
     last = stage == num_stages - 1

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import layout_rules
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -177,23 +179,13 @@ def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
     return model
 
 
-def stage_layers(layers: int, num_stages: int, stage: int) -> range:
-    """The block indices that pipeline stage ``stage`` of ``num_stages`` owns (equal split)."""
-    if layers % num_stages:
-        raise ValueError(f"layers={layers} must be divisible by num_stages={num_stages}")
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage={stage} must be in 0..{num_stages - 1}")
-    per = layers // num_stages
-    return range(stage * per, (stage + 1) * per)
-
-
 def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
     """Cut ``model`` in place down to pipeline stage ``stage`` of ``num_stages``.
 
     Stage 0 keeps the embeddings, the last stage keeps ``norm`` and ``lm_head``, and
     each keeps its own contiguous blocks under their original names.
     """
-    keep = {str(i) for i in stage_layers(model.config.layers, num_stages, stage)}
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
     for name in list(model.blocks.keys()):
         if name not in keep:
             del model.blocks[name]

@@ -201,8 +201,8 @@ def _planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
     dims = record["dims"]
     parallel = {**dims, "zero": int(record["zero"]), "schedule": cfg.get("schedule", "1f1b"),
                 "microbatches": record.get("microbatches", 1)}
-    if cfg.get("virtual_stages"):
-        parallel["virtual_stages"] = int(cfg["virtual_stages"])
+    if cfg.get("stages_per_rank"):
+        parallel["virtual_stages"] = int(cfg["stages_per_rank"])  # the planner's name for it
     if cfg.get("sequence_parallel"):
         parallel["sequence_parallel"] = True
     p = plan(cfg.get("model", {}), gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel,
