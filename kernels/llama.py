@@ -36,6 +36,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from kernels import layout_rules
 
@@ -166,6 +168,24 @@ class Llama(nn.Module):
         x = self.norm(x)  # (B, T, C)
         head = self.lm_head.weight if self.lm_head is not None else self.tok_emb.weight
         return F.linear(x, head)  # (B, T, V)
+
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits: each must be divisible by tp."""
+        c = self.config
+        return {"heads": c.heads, "kv_heads": c.kv_heads, "ffn": c.ffn, "vocab": c.vocab}
+
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
+        """Megatron's plan: q/k/v/gate/up column-wise, o/down row-wise; the embedding row-parallel
+        over the vocab (forward all_reduce), the head column-parallel over it; norms replicated."""
+        if sequence_parallel or loss_parallel:
+            raise ValueError("Llama's TP plan has no sequence or loss parallelism")
+        block = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                 "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+        if self.config.gated_mlp:
+            block["mlp.gate"] = ColwiseParallel()
+        outer = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+                 "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        return block, outer
 
 
 def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device = "meta",

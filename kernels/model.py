@@ -32,10 +32,13 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from kernels import layout_rules
 
@@ -136,6 +139,54 @@ class GPT(nn.Module):
         if self.lm_head is not None:  # last stage
             x = self.lm_head(x)  # (B, T, V)
         return x
+
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits: each must be divisible by tp."""
+        c = self.config
+        return {"heads": c.heads, "d_ff": c.d_ff, "vocab": c.vocab, "seq_len": c.seq_len}
+
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
+        """(plan of every block, plan of the modules outside them) for ``parallelize_module``."""
+        return block_tp_plan(sequence_parallel), outer_tp_plan(sequence_parallel, loss_parallel)
+
+
+def block_tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """The Megatron TP plan of one Block (kernels.parallel.tensor_parallel explains the collectives)."""
+    if not sequence_parallel:
+        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.out": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    # SP: the residual stream between blocks is (B, T/tp, C) on each rank, Shard(1).
+    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "attn_norm": SequenceParallel(),  # LayerNorm on (B, T/tp, C)
+        "attn": gather_input,  # all_gather to (B, T, C); backward: reduce_scatter
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.out": RowwiseParallel(output_layouts=Shard(1)),  # reduce_scatter to (B, T/tp, C)
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.fc_in": ColwiseParallel(),
+        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+    """The TP plan of the embeddings, final norm and LM head."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        # Row-parallel embedding: each rank looks up its vocab rows (zeros elsewhere),
+        # forward all_reduce (or reduce_scatter over T under SP), backward identity.
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # Positions (T,) -> (T, C): the sequence dim is dim 0 here, so SP shards dim 0.
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(),
+                                   output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        # Column-parallel head: all_gather of the input (SP) then vocab-sharded logits;
+        # without loss_parallel the logits are all_gathered to (B, T, V) on every rank.
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
 
 
 def _param_seed(seed: int, name: str) -> int:

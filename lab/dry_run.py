@@ -202,7 +202,7 @@ def _rank_config(spec: ModelSpec, lay: Layout, rank: int, dtype: str, k: float,
     hybrid = lay.fsdp_strategy == "hybrid"
     return {"model": {key: getattr(spec, key) for key in _MODEL_KEYS}, "dp": lay.dp, "tp": lay.tp,
             "pp": lay.pp, "zero": lay.zero, "rank": int(rank), "dtype": dtype, "optimizer_bytes_per_param": k,
-            "hybrid_shard": hybrid_shard_size(lay.dp, lay.tp, gpus_per_node) if hybrid else 0}
+            "dp_replicate": lay.dp // hybrid_shard_size(lay.dp, lay.tp, gpus_per_node) if hybrid else None}
 
 
 def run_rank_subprocess(cfg: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

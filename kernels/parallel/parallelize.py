@@ -22,8 +22,6 @@ Run alone (TP 2 x FSDP 2, beside the one-process reference)::
 """
 from __future__ import annotations
 
-import warnings
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -38,13 +36,10 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, dp_mesh:
     """Apply ``strategy`` to ``model`` on the (pp, dp, tp) ``mesh``; returns the model to train (maybe DDP-wrapped).
 
     ``dp_mesh`` is FSDP's mesh: the 2D HSDP mesh (``build_hsdp_mesh``), or by default the
-    mesh's dp axis. A pipeline stage lacks the embeddings or the head: TP skips their plan entries.
+    mesh's dp axis.
     """
     if strategy.tp > 1:  # 1. TP: DTensors on the tp axis
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Parallelize plan key")  # a stage's missing modules
-            apply_tp(model, mesh["tp"], sequence_parallel=strategy.sequence_parallel,
-                     loss_parallel=strategy.loss_parallel)
+        apply_tp(model, mesh["tp"], sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel)
     if strategy.activation_checkpointing:  # 2. AC: per block, inside FSDP's units
         apply_ac(model)
     # 3. torch.compile would go here, per block.
