@@ -20,9 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.data import shard_batch
-from kernels.model import build_gpt, loss_fn
-from kernels.reference import dataset, model_config
+from kernels.data import dataset, shard_batch
+from kernels.model import build_gpt, loss_fn, model_config
 from kernels.run_config import RunConfig
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from kernels import layout_rules
+from kernels.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,11 @@ def init_weights(model: GPT, seed: int) -> None:
                 g = torch.Generator().manual_seed(_param_seed(seed, name))
                 draw = torch.empty(p.shape).normal_(0.0, std_residual if residual else 0.02, generator=g)
                 p.copy_(draw)
+
+
+def model_config(run: RunConfig) -> GPTConfig:
+    """The GPTConfig a run names: its model fields with the run's seed."""
+    return GPTConfig(seed=run.seed, **run.model)
 
 
 def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:

@@ -22,24 +22,9 @@ from typing import Any
 
 import torch
 
-from kernels.data import SyntheticTokens, microbatches
-from kernels.model import GPTConfig, build_gpt, loss_fn
+from kernels.data import dataset, microbatches
+from kernels.model import build_gpt, loss_fn, model_config
 from kernels.run_config import RunConfig
-
-def model_config(run: RunConfig) -> GPTConfig:
-    """The GPTConfig a run names: its model fields with the run's seed."""
-    return GPTConfig(seed=run.seed, **run.model)
-
-
-def adamw_kwargs(run: RunConfig) -> dict[str, Any]:
-    """AdamW hyper-parameters, shared by the reference and every layout (foreach off: same kernel everywhere)."""
-    return {"lr": run.lr, "betas": run.betas, "eps": run.eps, "weight_decay": run.weight_decay, "foreach": False}
-
-
-def dataset(run: RunConfig) -> SyntheticTokens:
-    """The run's synthetic token stream (every rank and the reference draw the same global batches)."""
-    mcfg = model_config(run)
-    return SyntheticTokens(mcfg.vocab, mcfg.seq_len, seed=run.dataset_seed)
 
 
 def train_reference(run: RunConfig) -> dict[str, Any]:
@@ -51,7 +36,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     change the maths, only the summation order).
     """
     model = build_gpt(model_config(run))
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(run))
+    optimizer = torch.optim.AdamW(model.parameters(), **run.adamw_kwargs())
     data = dataset(run)
     bf16 = run.mixed_precision == "bf16"
     n_micro = (run.microbatches or 1) if run.pp == 1 else 1

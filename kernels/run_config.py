@@ -71,6 +71,11 @@ class RunConfig:
     def dataset_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
 
+    def adamw_kwargs(self) -> dict[str, Any]:
+        """AdamW's hyper-parameters, the same for the reference and every layout (foreach off: one kernel)."""
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                "foreach": False}
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-plain: tuples become lists."""
         out = dataclasses.asdict(self)

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from kernels import layout_rules
 from kernels.measure import PipelineProbe, measure_record, step_probe
-from kernels.model import build_gpt, loss_fn
+from kernels.data import dataset
+from kernels.model import build_gpt, loss_fn, model_config
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
 from kernels.parallel.fsdp import describe_params, full_parameters
@@ -43,7 +44,7 @@ from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, de
 from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, resolve_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
-from kernels.reference import adamw_kwargs, dataset, model_config, train_reference
+from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.step_hooks import PipelineTracer, StepHooks
 from kernels.train_loop import FlatStep, PipelineStep, train_loop
@@ -66,8 +67,8 @@ def rank_layout(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy
 
 def _optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig):
     if strategy.grad_sync is GradSync.ZERO1:
-        return build_zero1_optimizer(model, mesh["dp"], **adamw_kwargs(run))
-    return torch.optim.AdamW(model.parameters(), **adamw_kwargs(run))
+        return build_zero1_optimizer(model, mesh["dp"], **run.adamw_kwargs())
+    return torch.optim.AdamW(model.parameters(), **run.adamw_kwargs())
 
 
 def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device) -> dict[str, Any]:

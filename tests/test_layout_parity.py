@@ -51,9 +51,9 @@ import pytest
 import torch
 
 from kernels.layout_rules import SCHEDULES, default_stages_per_rank
-from kernels.model import build_gpt
+from kernels.model import build_gpt, model_config
 from kernels.parallel.mesh import live_group_count
-from kernels.reference import model_config, train_reference
+from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
 

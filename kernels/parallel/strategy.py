@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass
 
 from kernels import layout_rules
+from kernels.parallel.mesh import ParallelDims
 
 
 class GradSync(enum.Enum):
@@ -63,12 +64,12 @@ class Strategy:
         return self.grad_sync.value
 
 
-def resolve_strategy(dims, *, zero: int = 0, fsdp_strategy: str | None = None, dp_replicate: int | None = None,
+def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | None = None, dp_replicate: int | None = None,
                      sequence_parallel: bool = False, loss_parallel: bool = False,
                      activation_checkpointing: bool = False, mixed_precision: str | None = None,
                      cpu_offload: bool = False, schedule: str | None = None, stages_per_rank: int | None = None,
                      microbatches: int | None = None) -> Strategy:
-    """The one Strategy these options mean on ``dims`` (a ParallelDims); ValueError for combinations that cannot run."""
+    """The one Strategy these options mean on ``dims``; ValueError for combinations that cannot run."""
     zero = layout_rules.zero_stage(zero, fsdp_strategy)
     hybrid = fsdp_strategy == "hybrid"
     replicate = layout_rules.hsdp_split(dims.dp, dp_replicate)[0] if hybrid else 1
@@ -99,7 +100,6 @@ def resolve_strategy(dims, *, zero: int = 0, fsdp_strategy: str | None = None, d
 
 
 if __name__ == "__main__":
-    from kernels.parallel.mesh import ParallelDims
     for sizes, opts in (({"dp": 4}, {}), ({"dp": 2, "tp": 2}, {}), ({"dp": 4}, {"fsdp_strategy": "hybrid"}),
                         ({"pp": 2, "dp": 2}, {"schedule": "zbv"})):
         dims = ParallelDims(world_size=sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1), **sizes)
