@@ -76,10 +76,16 @@ class PipelineRuntime:
 
 
 def check_schedule(schedule: str, pp_size: int, stages_per_rank: int, microbatches: int) -> None:
-    """Raise ValueError, in words, for the placement and micro-batch rules torch's schedules enforce."""
-    problems = layout_rules.microbatch_problems(schedule, pp_size, stages_per_rank, microbatches)
+    """Raise ValueError, in words, for the placement and micro-batch rules torch's schedules enforce.
+
+    The lab's own "pp-microbatches" rule (fewer micro-batches than ranks) is the driver's
+    to warn about: torch runs such a pipeline, and so do the ranks.
+    """
+    problems = [*layout_rules.stage_problems(schedule, stages_per_rank),
+                *layout_rules.microbatch_problems(schedule, pp_size, stages_per_rank, microbatches)]
+    problems = [message for rule, message in problems if rule != "pp-microbatches"]
     if problems:
-        raise ValueError("; ".join(message for _, message in problems))
+        raise ValueError("; ".join(problems))
 
 
 class MicrobatchMeanLoss:
