@@ -86,11 +86,13 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
         """The config ``data`` names (missing keys take their defaults); ValueError naming unknown keys."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(FIELDS))
         if unknown:
-            raise ValueError(f"RunConfig: unknown keys {unknown}; known: {sorted(known)}")
+            raise ValueError(f"RunConfig: unknown keys {unknown}; known: {sorted(FIELDS)}")
         return cls(**data)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
 
 def _validate(c: RunConfig) -> None:
