@@ -28,6 +28,9 @@ import math
 
 import torch
 
+from kernels.model import model_config
+from kernels.run_config import RunConfig
+
 _BRANCH_WEIGHTS = (8.0, 4.0, 2.0, 1.0)  # successor probabilities ∝ these: entropy ≈ 1.14 nats
 
 
@@ -75,6 +78,12 @@ class SyntheticTokens:
         for t in range(T):
             seq[:, t + 1] = self.successors[seq[:, t], branch[:, t]]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+def dataset(run: RunConfig) -> SyntheticTokens:
+    """The run's token stream: every rank and the one-process reference draw the same global batches."""
+    mcfg = model_config(run)
+    return SyntheticTokens(mcfg.vocab, mcfg.seq_len, seed=run.dataset_seed)
 
 
 def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int,

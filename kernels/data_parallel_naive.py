@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.data import shard_batch
-from kernels.model import build_gpt, loss_fn
-from kernels.reference import dataset, model_config, run_settings
+from kernels.data import dataset, shard_batch
+from kernels.model import build_gpt, loss_fn, model_config
+from kernels.run_config import RunConfig
 
 
 def average_gradients_naive(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -45,22 +45,22 @@ def compare_gradient_averaging(cfg: dict[str, Any]) -> dict[str, Any]:
     the norms of each gradient and the largest element-wise differences.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    settings = run_settings(cfg)
-    inputs, targets = dataset(cfg).global_batch(0, settings["global_batch"])  # (B, T)
+    run = RunConfig.from_dict(cfg)
+    inputs, targets = dataset(run).global_batch(0, run.global_batch)  # (B, T)
     indices = torch.arange(inputs.size(0))
     mine = indices[rank::world].tolist()  # what shard_batch takes, as DistributedSampler(shuffle=False) does
     x, y = shard_batch(inputs, targets, rank, world)  # (B/world, T)
 
-    naive = build_gpt(model_config(cfg))
+    naive = build_gpt(model_config(run))
     loss = loss_fn(naive(x), y)
     loss.backward()
     local = _grads(naive).clone()
     average_gradients_naive(naive)
 
-    ddp = DDP(build_gpt(model_config(cfg)))
+    ddp = DDP(build_gpt(model_config(run)))
     loss_fn(ddp(x), y).backward()  # DDP's hooks all-reduce bucket by bucket during backward
 
-    whole = build_gpt(model_config(cfg))
+    whole = build_gpt(model_config(run))
     loss_fn(whole(inputs), targets).backward()  # the global-batch gradient, in this one process
     hand, library, truth = _grads(naive), _grads(ddp.module), _grads(whole)
     return {"rank": rank, "samples": mine, "local_loss": loss.item(),

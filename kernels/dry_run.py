@@ -14,8 +14,10 @@ applied the way torchtitan applies them. Nothing is trained and nothing is alloc
 - on the (pp, dp, tp) DeviceMesh (tp fastest, DESIGN §3), in torchtitan's order:
   PP keeps only this rank's blocks (``keep_layers``); TP shards q/k/v/gate/up
   column-wise (``Shard(0)``) and o/down row-wise (``Shard(1)``), the embedding over the
-  vocab rows and the head over the vocab columns (``parallelize_module``); FSDP2
+  vocab rows and the head over the vocab columns (the model's ``tp_plan``); FSDP2
   (``fully_shard``, per block then the root) shards every parameter on dim 0 over dp.
+  These are the ranks' own ``kernels.parallel`` functions (``apply_tp``, ``apply_fsdp``,
+  ``build_mesh``, ``build_hsdp_mesh``), run on the fake process group.
 
 What is measured: the local shard shape of every parameter (``DTensor.to_local()``),
 hence this rank's parameter bytes at rest, and the bytes held before FSDP sharding
@@ -43,13 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor
 
-from kernels.llama import Llama, LlamaConfig, build_llama, count_parameters, keep_layers, stage_layer_range
-from kernels.mesh import ParallelDims, build_mesh
+from kernels import layout_rules
+from kernels.llama import Llama, LlamaConfig, build_llama, count_parameters, keep_layers
+from kernels.parallel.fsdp import apply_fsdp
+from kernels.parallel.mesh import ParallelDims, build_hsdp_mesh, build_mesh
+from kernels.parallel.tensor_parallel import apply_tp
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -59,50 +61,6 @@ def fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-
-def block_plan(gated: bool) -> dict[str, Any]:
-    """Megatron TP plan of one block (kernels.llama.Block names). Colwise: forward identity,
-    backward all_reduce of the input grad; rowwise: forward all_reduce of partial sums."""
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
-    if gated:
-        plan["mlp.gate"] = ColwiseParallel()
-    return plan
-
-
-def outer_plan(model: Llama) -> dict[str, Any]:
-    """Embedding row-parallel over the vocab (forward all_reduce), head column-parallel over it."""
-    plan: dict[str, Any] = {}
-    if model.tok_emb is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate())
-    if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    return plan
-
-
-def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
-    """Shard a (stage of a) Llama over the 1D ``tp_mesh``; norms and pos_emb stay replicated."""
-    cfg, tp = model.config, tp_mesh.size()
-    sizes = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab}
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
-    if bad:
-        raise ValueError(f"apply_tp: {', '.join(bad)} must be divisible by tp={tp}")
-    for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, block_plan(cfg.gated_mlp))
-    outer = outer_plan(model)
-    if outer:
-        parallelize_module(model, tp_mesh, outer)
-    return model
-
-
-def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, zero_stage: int) -> Llama:
-    """``fully_shard`` each block, then the root (embeddings, final norm, head); ZeRO-3 reshards
-    after forward, ZeRO-2 keeps the unit whole until backward. Both shard at rest on dim 0."""
-    for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero_stage == 3)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero_stage == 3)
-    return model
 
 
 def _local_shape(p: torch.Tensor) -> list[int]:
@@ -148,24 +106,10 @@ def model_states(cfg: dict[str, Any], whole: dict[str, dict], shards: dict[str, 
         out["optimizer"] = int(numel * k / dp)
     # What FSDP2 pads dim 0 to (ceil(s0/dp) rows on every rank), from the pre-FSDP shapes.
     if zero in (2, 3):
-        n = int(cfg.get("hybrid_shard") or dp)  # ranks one parameter is sharded over
+        n = dp // int(cfg.get("dp_replicate") or 1)  # ranks one parameter is sharded over (dp_shard)
         out["params_padded"] = sum(math.ceil(s["local"][0] / n) * math.prod(s["local"][1:]) * s["elem_bytes"]
                                    for s in whole.values())
     return out
-
-
-def _meshes(dims: ParallelDims, hybrid_shard: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """(mesh with a "tp" axis, the mesh FSDP shards over). On the fake backend groups are
-    created but nothing connects. HSDP: dp splits into (replicate, shard), shard fastest,
-    so a shard group is dp-neighbours (as kernels.mesh.build_hsdp_mesh orders them)."""
-    if not hybrid_shard:
-        mesh = build_mesh(dims, "cpu")
-        return mesh, mesh["dp"]
-    if dims.dp % hybrid_shard:
-        raise ValueError(f"hybrid_shard={hybrid_shard} must divide dp={dims.dp}")
-    grid = torch.arange(dims.world_size).view(dims.pp, dims.dp // hybrid_shard, hybrid_shard, dims.tp)
-    mesh = DeviceMesh("cpu", grid, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return mesh, mesh["dp_replicate", "dp_shard"]
 
 
 def _span(r: range) -> list[int]:
@@ -174,10 +118,12 @@ def _span(r: range) -> list[int]:
 
 def build_shard(cfg: dict[str, Any]) -> tuple[Llama, dict[str, Any]]:
     """Build rank ``cfg["rank"]``'s shard under the process group already initialised."""
+    replicate = cfg.get("dp_replicate")  # HSDP replica groups (None: plain FSDP)
     dims = ParallelDims(dp=int(cfg.get("dp", 1)), tp=int(cfg.get("tp", 1)), pp=int(cfg.get("pp", 1)),
-                        world_size=dist.get_world_size())
+                        world_size=dist.get_world_size(), dp_replicate=int(replicate or 1))
     coords, t0 = dims.coords(dist.get_rank()), time.perf_counter()
-    mesh, dp_mesh = _meshes(dims, int(cfg.get("hybrid_shard") or 0))
+    mesh = build_mesh(dims, "cpu")  # on the fake backend groups are created but nothing connects
+    dp_mesh = build_hsdp_mesh(dims, "cpu") if replicate else mesh["dp"]
     model = build_llama(LlamaConfig.from_dict(cfg["model"]), "meta", DTYPES[cfg.get("dtype", "bf16")])
     total = count_parameters(model)  # the whole model, before any cut: the shape-derived count
     keep_layers(model, coords["pp"], dims.pp)  # PP: this rank's stage only
@@ -185,10 +131,10 @@ def build_shard(cfg: dict[str, Any]) -> tuple[Llama, dict[str, Any]]:
     whole = local_shapes(model)  # after TP and PP, before FSDP: what ZeRO-2 holds whole
     t1 = time.perf_counter()
     if int(cfg.get("zero", 0)) in (2, 3):
-        apply_fsdp(model, dp_mesh, int(cfg["zero"]))
+        apply_fsdp(model, dp_mesh, zero_stage=int(cfg["zero"]), hybrid=bool(replicate))
     shards = local_shapes(model)
     info = {"rank": dist.get_rank(), "world": dims.world_size, "coords": coords, "model_params": total,
-            "layers": _span(stage_layer_range(model.config.layers, dims.pp, coords["pp"])),
+            "layers": _span(layout_rules.layer_split(model.config.layers, dims.pp, coords["pp"])),
             "shards": _group_rows(shards), "bytes": model_states(cfg, whole, shards),
             "build_s": t1 - t0, "fsdp_s": time.perf_counter() - t1, "device": "meta", "backend": "fake"}
     return model, info
@@ -198,7 +144,7 @@ def dry_run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Join a fake world as ``cfg["rank"]``, build that rank's shard, and return a plain record.
 
     ``cfg``: ``model`` (a kernels.llama.LlamaConfig dict), ``dp``/``tp``/``pp``, ``rank``,
-    ``zero`` (0-3), ``hybrid_shard`` (HSDP shard-group size, or 0), ``dtype`` ("bf16", "fp16", "fp32") and ``optimizer_bytes_per_param`` (K).
+    ``zero`` (0-3), ``dp_replicate`` (HSDP replica groups, or None), ``dtype`` ("bf16", "fp16", "fp32") and ``optimizer_bytes_per_param`` (K).
     Call it in a throwaway process (``python -m kernels.dry_run``): it owns the process group.
     """
     world = int(cfg.get("dp", 1)) * int(cfg.get("tp", 1)) * int(cfg.get("pp", 1))

@@ -36,6 +36,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from kernels import layout_rules
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,24 @@ class Llama(nn.Module):
         head = self.lm_head.weight if self.lm_head is not None else self.tok_emb.weight
         return F.linear(x, head)  # (B, T, V)
 
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits: each must be divisible by tp."""
+        c = self.config
+        return {"heads": c.heads, "kv_heads": c.kv_heads, "ffn": c.ffn, "vocab": c.vocab}
+
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
+        """Megatron's plan: q/k/v/gate/up column-wise, o/down row-wise; the embedding row-parallel
+        over the vocab (forward all_reduce), the head column-parallel over it; norms replicated."""
+        if sequence_parallel or loss_parallel:
+            raise ValueError("Llama's TP plan has no sequence or loss parallelism")
+        block = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                 "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+        if self.config.gated_mlp:
+            block["mlp.gate"] = ColwiseParallel()
+        outer = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+                 "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        return block, outer
+
 
 def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device = "meta",
                 dtype: torch.dtype = torch.bfloat16) -> Llama:
@@ -180,18 +202,6 @@ def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device
     return model
 
 
-def stage_layer_range(layers: int, num_stages: int, stage: int) -> range:
-    """Blocks of pipeline stage ``stage``: the first ``layers % num_stages`` stages take one more.
-
-    126 layers on 16 stages: stages 0-13 hold 8 blocks, stages 14-15 hold 7.
-    """
-    if not 0 <= stage < num_stages or layers < num_stages:
-        raise ValueError(f"stage {stage} of {num_stages} needs 0 <= stage < num_stages <= layers={layers}")
-    per, extra = divmod(layers, num_stages)
-    start = stage * per + min(stage, extra)
-    return range(start, start + per + (1 if stage < extra else 0))
-
-
 def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
     """Cut ``model`` in place to one pipeline stage: its blocks, plus the embeddings on the
     first stage and the final norm and head on the last.
@@ -199,7 +209,7 @@ def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
     A tied head on a last stage that is not also the first gets its own copy of the vocab
     matrix (as Megatron does; the two copies are all-reduced in backward).
     """
-    keep = {str(i) for i in stage_layer_range(model.config.layers, num_stages, stage)}
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
     for name in [n for n in model.blocks if n not in keep]:
         del model.blocks[name]
     last = stage == num_stages - 1

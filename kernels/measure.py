@@ -6,7 +6,7 @@ Rajbhandari et al., 2020; Zhao et al., 2023); the probes of ``kernels.memory`` a
 ``kernels.comm`` watch its last step (the steady state: optimizer state exists and
 DDP has rebuilt its buckets). ``measure_rank`` is ``train_rank`` with
 ``cfg["measure"]`` on; the probes are the ``StepProbe``/``PipelineProbe`` below,
-which the training loops call at fixed points of the step:
+which the training loop calls at fixed points of the step (``kernels.step_hooks``):
 
 - memory at ``peak_fwd_bwd`` (the last micro-batch's forward done, loss in hand,
   backward not started) and ``at_rest`` (after ``optimizer.step()``, before
@@ -22,8 +22,8 @@ only the ``at_rest`` moment is taken: forward and backward interleave inside the
 schedule, so there is no single moment between them. Stage-boundary p2p is metered at
 the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
 torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p
-alone here (``_CollectiveMeter``). Config keys are ``kernels.train``'s; ``steps``
-defaults to 2 here.
+alone here (``_CollectiveMeter``). Config keys are ``kernels.run_config.RunConfig``'s;
+``steps`` defaults to 2 here.
 
 Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
 "params": describe_params, "optimizer_params": [names] (ZeRO-1 only), "memory":
@@ -166,10 +166,8 @@ class PipelineProbe(StepProbe):
             yield
 
 
-def step_probe(cfg: dict[str, Any], model: nn.Module, optimizer, device: torch.device) -> StepProbe | None:
-    """A StepProbe when ``cfg["measure"]`` is on (DDP rerouted so its buckets are seen), else None."""
-    if not cfg.get("measure"):
-        return None
+def step_probe(model: nn.Module, optimizer, device: torch.device) -> StepProbe:
+    """A StepProbe of ``model`` (a DDP model is rerouted first, so its buckets are seen)."""
     if isinstance(model, DDP):
         route_ddp_through_python(model)  # before the first backward
     return StepProbe(model, optimizer, device)

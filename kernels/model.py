@@ -32,10 +32,16 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from kernels import layout_rules
+from kernels.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,54 @@ class GPT(nn.Module):
             x = self.lm_head(x)  # (B, T, V)
         return x
 
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits: each must be divisible by tp."""
+        c = self.config
+        return {"heads": c.heads, "d_ff": c.d_ff, "vocab": c.vocab, "seq_len": c.seq_len}
+
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
+        """(plan of every block, plan of the modules outside them) for ``parallelize_module``."""
+        return block_tp_plan(sequence_parallel), outer_tp_plan(sequence_parallel, loss_parallel)
+
+
+def block_tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """The Megatron TP plan of one Block (kernels.parallel.tensor_parallel explains the collectives)."""
+    if not sequence_parallel:
+        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.out": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    # SP: the residual stream between blocks is (B, T/tp, C) on each rank, Shard(1).
+    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "attn_norm": SequenceParallel(),  # LayerNorm on (B, T/tp, C)
+        "attn": gather_input,  # all_gather to (B, T, C); backward: reduce_scatter
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.out": RowwiseParallel(output_layouts=Shard(1)),  # reduce_scatter to (B, T/tp, C)
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.fc_in": ColwiseParallel(),
+        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+    """The TP plan of the embeddings, final norm and LM head."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        # Row-parallel embedding: each rank looks up its vocab rows (zeros elsewhere),
+        # forward all_reduce (or reduce_scatter over T under SP), backward identity.
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # Positions (T,) -> (T, C): the sequence dim is dim 0 here, so SP shards dim 0.
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(),
+                                   output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        # Column-parallel head: all_gather of the input (SP) then vocab-sharded logits;
+        # without loss_parallel the logits are all_gathered to (B, T, V) on every rank.
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
+
 
 def _param_seed(seed: int, name: str) -> int:
     """A seed for one parameter from the model seed and the parameter's stable name."""
@@ -164,6 +218,11 @@ def init_weights(model: GPT, seed: int) -> None:
                 p.copy_(draw)
 
 
+def model_config(run: RunConfig) -> GPTConfig:
+    """The GPTConfig a run names: its model fields with the run's seed."""
+    return GPTConfig(seed=run.seed, **run.model)
+
+
 def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
     """Build the model with the weights that ``cfg.seed`` fixes (same on every call).
 
@@ -177,23 +236,13 @@ def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
     return model
 
 
-def stage_layers(layers: int, num_stages: int, stage: int) -> range:
-    """The block indices that pipeline stage ``stage`` of ``num_stages`` owns (equal split)."""
-    if layers % num_stages:
-        raise ValueError(f"layers={layers} must be divisible by num_stages={num_stages}")
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage={stage} must be in 0..{num_stages - 1}")
-    per = layers // num_stages
-    return range(stage * per, (stage + 1) * per)
-
-
 def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
     """Cut ``model`` in place down to pipeline stage ``stage`` of ``num_stages``.
 
     Stage 0 keeps the embeddings, the last stage keeps ``norm`` and ``lm_head``, and
     each keeps its own contiguous blocks under their original names.
     """
-    keep = {str(i) for i in stage_layers(model.config.layers, num_stages, stage)}
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
     for name in list(model.blocks.keys()):
         if name not in keep:
             del model.blocks[name]

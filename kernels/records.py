@@ -264,7 +264,7 @@ class CollectiveRecord(Record):
 
 @dataclass(frozen=True)
 class ParamLayout(Record):
-    """How one parameter lies on one rank: DTensor's view of it (``kernels.fsdp.describe_params``)."""
+    """How one parameter lies on one rank: DTensor's view of it (``kernels.parallel.fsdp.describe_params``)."""
 
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]  # the slice this rank holds

@@ -197,11 +197,11 @@ def _layout(parallel: Any, gpus: int | None) -> Layout:
 
 
 def _rank_config(spec: ModelSpec, lay: Layout, rank: int, dtype: str, k: float) -> dict[str, Any]:
-    """The JSON config kernels.dry_run takes ("hybrid_shard": HSDP's dp_shard, 0 without hybrid)."""
+    """The JSON config kernels.dry_run takes ("dp_replicate": HSDP's replicate degree, None without hybrid)."""
     hybrid = lay.fsdp_strategy == "hybrid"
     return {"model": {key: getattr(spec, key) for key in _MODEL_KEYS}, "dp": lay.dp, "tp": lay.tp,
             "pp": lay.pp, "zero": lay.zero, "rank": int(rank), "dtype": dtype, "optimizer_bytes_per_param": k,
-            "hybrid_shard": lay.dp_shard if hybrid else 0}
+            "dp_replicate": lay.dp_replicate if hybrid else None}
 
 
 def run_rank_subprocess(cfg: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """An experiment: one model, one parallel layout, real training on the pool's ranks.
 
 ``Experiment(cluster, model, parallel, ...)`` checks the layout against the model and
-the world before anything runs (``Parallel.check``), then ``run()`` sends one config
-dict to ``kernels.train.train_rank`` on every rank and gathers plain records. The
-same config trains in one process with ``reference()``, which is the ground truth.
+the world before anything runs (``Parallel.check``), then ``run()`` sends one
+``kernels.run_config.RunConfig`` (as a plain dict) to ``kernels.train.train_rank`` on
+every rank and gathers plain records. The same config trains in one process with
+``reference()``, which is the ground truth.
 
 Measuring options (all off by default; then the ranks install nothing and the run
 costs what it did):
@@ -30,6 +31,7 @@ from typing import Any
 
 from kernels.model import GPTConfig
 from kernels.reference import train_reference
+from kernels.run_config import RunConfig
 from kernels.train import train_rank
 from lab.cluster import Cluster
 from lab.measure import comm_records, memory_records
@@ -65,24 +67,27 @@ class Experiment:
         for message in self.warnings:
             warnings.warn(message, LayoutWarning, stacklevel=2)
 
-    def config(self, *, return_params: bool = False) -> dict[str, Any]:
-        """The plain config dict every rank (and the reference) receives."""
+    def run_config(self, *, return_params: bool = False) -> RunConfig:
+        """The one typed config every rank (and the reference) trains under."""
         p = self.parallel
         model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
-        return {
-            "model": model, "seed": self.seed, "global_batch": self.global_batch, "steps": self.steps,
-            "lr": self.lr, "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "fsdp_strategy": p.fsdp_strategy,
-            "schedule": p.schedule, "microbatches": p.num_microbatches, "virtual_stages": p.stages_per_rank,
-            "sequence_parallel": p.sequence_parallel, "activation_checkpointing": p.activation_checkpointing,
-            "mixed_precision": p.mixed_precision, "cpu_offload": p.cpu_offload, "return_params": return_params,
-            "trace": self.trace, "synthetic_forward_s": self.synthetic_forward_s, "measure": self.measure,
-        }
+        ranks_per_host = _ranks_per_host(self.cluster) if self.trace else None  # ranks cannot see their host
+        return RunConfig(
+            model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
+            dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, fsdp_strategy=p.fsdp_strategy,
+            dp_replicate=p.dp_replicate, schedule=p.schedule, microbatches=p.num_microbatches,
+            stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
+            activation_checkpointing=p.activation_checkpointing, mixed_precision=p.mixed_precision,
+            cpu_offload=p.cpu_offload, return_params=return_params, trace=self.trace,
+            synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure)
+
+    def config(self, *, return_params: bool = False) -> dict[str, Any]:
+        """The plain config dict every rank receives: ``run_config().to_dict()``."""
+        return self.run_config(return_params=return_params).to_dict()
 
     def run(self, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
         """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure."""
         cfg = self.config(return_params=return_params)
-        if self.trace:  # a rank cannot see how many engines share its host; the rank map can
-            cfg["ranks_per_host"] = _ranks_per_host(self.cluster)
         per_rank = self.cluster.run(train_rank, cfg, timeout=timeout)
         found = measurements(per_rank, cfg)
         return RunResult(
@@ -93,9 +98,10 @@ class Experiment:
 
     def reference(self, *, return_params: bool = False) -> RunResult:
         """The same training in this process: same init, same global batch per step, same AdamW."""
-        cfg = self.config(return_params=return_params)
+        run = self.run_config(return_params=return_params)
+        cfg = run.to_dict()
         began = time.perf_counter()
-        out = train_reference(cfg)
+        out = train_reference(run)
         per_step = (time.perf_counter() - began) / self.steps
         params = {0: {k: v.tolist() for k, v in out["params"].items()}} if return_params else {}
         return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),

@@ -108,7 +108,7 @@ class TensorSpec:
 
     name: str  # as in kernels.model.GPT.named_parameters()
     shape: tuple[int, ...]
-    tp_dim: int | None  # the dim TP shards (kernels.tensor_parallel's plans); None = replicated
+    tp_dim: int | None  # the dim TP shards (kernels.parallel.tensor_parallel's plans); None = replicated
     owner: str  # "embed" (first stage), "block" (stage of its block), "head" (last stage)
     block: int | None = None  # the block index, for owner "block"
 
@@ -136,7 +136,7 @@ def _linear(prefix: str, d_out: int, d_in: int, bias: bool, style: str, **where:
 
 
 def gpt_tensors(m: ModelSpec) -> tuple[TensorSpec, ...]:
-    """The lab GPT's parameters in model order, with kernels.tensor_parallel's TP plan.
+    """The lab GPT's parameters in model order, with kernels.parallel.tensor_parallel's TP plan.
 
     Embeddings are row-parallel (Shard(0): vocab rows, position rows), the LM head
     column-parallel (Shard(0): vocab), q/k/v/fc_in column-parallel, out/fc_out

@@ -4,7 +4,7 @@
 places on it, the blocks ``layer_split`` gives those stages, its Ψ after TP, its memory
 and its exact traffic (``lab.plan_comm``). A preset splits Ψ evenly over its blocks
 (embeddings not singled out); the lab's GPT (``lab.plan_models.gpt_tensors``) is counted
-tensor by tensor: TP splits what ``kernels.tensor_parallel`` splits (tp rank 0's chunk,
+tensor by tensor: TP splits what ``kernels.parallel.tensor_parallel`` splits (tp rank 0's chunk,
 the largest) and replicates the norms and row-parallel biases, and PP gives the
 embeddings to the first stage, the final norm and LM head to the last.
 

@@ -21,13 +21,13 @@ PERF_RENDERS = 3
 
 RANK_CELLS = [
     ("import warnings\nimport lab\nfrom kernels.collectives import run_collectives\n"
-     "from kernels.pipeline_trace import trace_pipeline_step\nfrom lab.measure import measure_layout\n"
+     "from tests.spawned_ranks import traced_pipeline_rank\nfrom lab.measure import measure_layout\n"
      "from lab.timeline import bubble_from_records, planned_order\n"
      "from widgets import CollectiveView, MemoryView, PipelineTimeline, ShardingView\n"
      "warnings.simplefilter('ignore', lab.OversubscribedWarning)  # 4 ranks on a 2-core machine\n"
      "cluster = lab.start(n=4, backend='gloo', timeout=120)"),
     (f"PP, M = {PP}, {MICROBATCHES}\n"
-     f"traced = cluster.run(trace_pipeline_step, {{'schedule': '1f1b', 'pp': PP, 'microbatches': M, "
+     f"traced = cluster.run(traced_pipeline_rank, {{'schedule': '1f1b', 'pp': PP, 'microbatches': M, "
      f"'synthetic_forward_s': {T_FORWARD}}})\n"
      "report = bubble_from_records(traced)\n"
      "planned = {r: [list(a) for a in planned_order('1f1b', PP, M, r)] for r in range(PP)}\n"

@@ -97,3 +97,26 @@ def pooled_runner(work: Work, world_of: Callable[[dict], int]) -> Iterator[Calla
     finally:
         for pool in pools.values():
             pool.close()
+
+
+TRACE_MODEL = {"d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8}  # tiny: the schedule's order, not compute
+
+
+def traced_pipeline_rank(case: dict) -> dict:
+    """One rank's trace record of a pipeline step run by the real loop (``kernels.train.train_rank``).
+
+    ``case``: schedule, pp, dp (default world // pp), microbatches, optional stages_per_rank and
+    synthetic_forward_s. One untraced step (it also infers the p2p shapes), then the traced one.
+    """
+    from kernels.layout_rules import default_stages_per_rank
+    from kernels.train import train_rank
+
+    pp, schedule = case["pp"], case["schedule"]
+    dp = case.get("dp", dist.get_world_size() // pp)
+    spr = case.get("stages_per_rank") or default_stages_per_rank(schedule)
+    m = case["microbatches"]
+    run = {"model": {**TRACE_MODEL, "layers": max(4, pp * spr)}, "pp": pp, "dp": dp, "schedule": schedule,
+           "stages_per_rank": spr, "microbatches": m, "global_batch": m * dp, "steps": 2, "lr": 1e-3,
+           "trace": True, "synthetic_forward_s": case.get("synthetic_forward_s"),
+           "return_params": False, "record_grad_norm": False}
+    return train_rank(run)["trace"]

@@ -1,6 +1,7 @@
 """Measured pipeline bubbles match theory in synthetic-cost mode (DESIGN §3, issue "Measured, not drawn").
 
-Four spawned gloo ranks (no ipyparallel) run ``kernels.pipeline_trace.trace_pipeline_step``
+Four spawned gloo ranks (no ipyparallel) trace a step of the real training loop
+(``tests.spawned_ranks.traced_pipeline_rank``: ``kernels.train.train_rank`` with trace on)
 with every action padded to a fixed cost: F = t, B = 2t (I = W = t when split), t per
 rank-share of the model. p=4 is one pipeline over the 4 ranks; p=2 is PP2 x DP2 (two
 pipelines side by side, makespan over all 4 ranks). What the measurement adds beyond
@@ -13,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.pipeline_trace import trace_pipeline_step
 from lab.timeline import bubble_from_records
-from tests.spawned_ranks import pooled_runner
+from tests.spawned_ranks import pooled_runner, traced_pipeline_rank
 
 WORLD = 4
 T_FORWARD = 0.08  # seconds; see the module docstring
@@ -28,7 +28,7 @@ TOLERANCE = 0.03  # ±3 percentage points, the issue's acceptance bound
 
 def rank_runner():
     """Body of the ``trace_ranks`` fixtures: ``run(cfg) -> trace records by rank`` on WORLD spawned ranks."""
-    yield from pooled_runner(trace_pipeline_step, lambda cfg: WORLD)
+    yield from pooled_runner(traced_pipeline_rank, lambda cfg: WORLD)
 
 
 trace_ranks = pytest.fixture(scope="module", name="trace_ranks")(rank_runner)

@@ -1,9 +1,15 @@
 """An experiment checks its layout before launch, trains on the ranks, equals one process, and leaves nothing behind."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 import lab
+from kernels.parallel.mesh import ParallelDims
+from kernels.parallel.strategy import resolve_strategy
+from kernels.run_config import RunConfig
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 
@@ -33,6 +39,46 @@ def test_bad_layouts_are_refused_before_anything_launches(parallel, rule):
 def test_wasteful_layouts_run_with_a_warning():
     with pytest.warns(lab.LayoutWarning, match="wasteful"):
         lab.Experiment(RefusingCluster(), TINY, lab.Parallel(dp=2, pp=2, zero=3, microbatches=2), global_batch=8)
+
+
+def test_the_rank_config_is_typed_and_round_trips_through_json():
+    model = lab.GPT(layers=4, d_model=32, heads=4, vocab=64, seq_len=16)
+    exp = lab.Experiment(RefusingCluster(), model, lab.Parallel(dp=2, pp=2, schedule="zbv", microbatches=4),
+                         global_batch=8)
+    run = exp.run_config()
+    assert run.stages_per_rank == 2 and run.dp_replicate is None and run.schedule == "zbv"
+    assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+    assert exp.config() == run.to_dict()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"dp": 0}, "dp must be a positive int"),
+    ({"zero": 4}, "zero must be 0, 1, 2 or 3"),
+    ({"fsdp_strategy": "half"}, "fsdp_strategy must be None or one of"),
+    ({"schedule": "pipedream"}, "unknown schedule"),
+    ({"model": {"layers": 2, "width": 3}}, "unknown model keys"),
+    ({"virtual_stages": 2}, "unknown keys"),
+])
+def test_a_bad_rank_config_is_refused_in_words(fields, words):
+    with pytest.raises(ValueError, match=words):
+        RunConfig.from_dict(fields)
+
+
+@pytest.mark.parametrize("sizes, options, kind, hybrid", [
+    ({"dp": 4}, {}, "ddp", False),
+    ({"dp": 4}, {"zero": 1}, "zero1", False),
+    ({"dp": 4}, {"fsdp_strategy": "hybrid"}, "fsdp", True),
+    ({"dp": 2, "tp": 2}, {}, "fsdp", True),  # DDP cannot take TP's DTensors: FSDP2 replication
+    ({"tp": 4}, {}, "tp", False),
+    ({"pp": 2, "dp": 2}, {}, "allreduce", False),
+    ({"pp": 4}, {}, "pp", False),
+])
+def test_a_layout_resolves_to_one_typed_strategy(sizes, options, kind, hybrid):
+    dims = ParallelDims(world_size=4, **sizes)
+    strategy = resolve_strategy(dims, **options)
+    assert (strategy.kind, strategy.hybrid) == (kind, hybrid)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.zero = 3
 
 
 def test_unknown_optimizer_is_refused():

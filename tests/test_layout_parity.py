@@ -23,8 +23,8 @@ Pipeline layouts run every torch schedule (PP 2 on 2 of the 4 ranks, PP 2 x DP 2
 PP 4), and PP with TP, ZeRO-1, FSDP (ZeRO-2/3), activation checkpointing, HSDP 2x2
 (8 ranks) and TP with DP (PP x DP x TP on 8 ranks).
 Their loss is a sum of per-micro-batch means, another order of the same float32
-sums, and they meet the same bounds (tests/test_pipeline_kernel.py's looser
-per-tensor norm check is not needed on these one-block-per-stage models).
+sums, and they meet the same bounds; with two blocks per stage and twice the
+micro-batches, parameters are held to a per-tensor norm bound instead (PIPELINE_NORM).
 
 After every case each rank must hold only the default process group: the run
 destroyed the mesh's sub-groups, so layouts can follow each other on a warm pool.
@@ -50,10 +50,11 @@ import time
 import pytest
 import torch
 
-from kernels.mesh import live_group_count
-from kernels.model import build_gpt
-from kernels.pipeline import SCHEDULES, SINGLE_STAGE
-from kernels.reference import model_config, train_reference
+from kernels.layout_rules import SCHEDULES, default_stages_per_rank
+from kernels.model import build_gpt, model_config
+from kernels.parallel.mesh import live_group_count
+from kernels.reference import train_reference
+from kernels.run_config import RunConfig
 from kernels.train import train_rank
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16}
@@ -69,7 +70,7 @@ LAYOUTS = {
     "zero1-dp4": ({"dp": 4, "zero": 1}, FP32),
     "zero2-dp4": ({"dp": 4, "zero": 2}, FP32),
     "zero3-dp4": ({"dp": 4, "zero": 3}, FP32),
-    "hsdp-2x2": ({"dp": 4, "fsdp_strategy": "hybrid", "hsdp_replicate": 2}, FP32),
+    "hsdp-2x2": ({"dp": 4, "fsdp_strategy": "hybrid", "dp_replicate": 2}, FP32),
     "tp4": ({"tp": 4}, FP32),
     "tp4-sequence-parallel": ({"tp": 4, "sequence_parallel": True}, FP32),
     "tp4-sp-loss-parallel": ({"tp": 4, "sequence_parallel": True, "loss_parallel": True}, FP32),
@@ -84,7 +85,7 @@ LAYOUTS = {
 
 def _pipeline(schedule: str, pp: int, dp: int = 1, tp: int = 1, **extra) -> dict:
     """A pipeline layout on the smallest model it allows: one block per stage, m = stages."""
-    stages = pp * (1 if schedule in SINGLE_STAGE else 2)
+    stages = pp * default_stages_per_rank(schedule)
     world = {"world_size": pp * dp * tp} if pp * dp * tp == 2 else {}  # PP 2 alone: ranks 0-1 of 4
     return {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": min(stages, 8 // dp),
             "model": {**TINY, "layers": stages}, **world, **extra}
@@ -102,13 +103,29 @@ LAYOUTS.update({
     "pp2-dp2-fsdp-zero3": (_pipeline("1f1b", 2, dp=2, zero=3), FP32),
     "pp2-dp2-activation-checkpointing": (_pipeline("1f1b", 2, dp=2, activation_checkpointing=True), FP32),
     "pp2-dp2-tp2": (_pipeline("1f1b", 2, dp=2, tp=2), FP32),  # 8 ranks
-    "pp2-hsdp-2x2": (_pipeline("1f1b", 2, dp=4, zero=3, fsdp_strategy="hybrid", hsdp_replicate=2), FP32),  # 8 ranks
+    "pp2-hsdp-2x2": (_pipeline("1f1b", 2, dp=4, zero=3, fsdp_strategy="hybrid", dp_replicate=2), FP32),  # 8 ranks
 })
 EIGHT_RANKS = {"pp2-dp2-tp2", "pp2-hsdp-2x2"}
 
+# Two blocks per stage and twice as many micro-batches as stages (1F1B reaches its steady
+# state). Parameters are compared by how far each tensor moved, in norm, within 1e-3 of
+# the update: Adam's first step is ~lr * g / (|g| + eps), so an element whose gradient
+# nearly cancels (PP 4: fc_out.weight[19, 107], g = 3e-8 against a median 3e-3) turns a
+# 3% float32 reordering error in g into ~0.3% of its step. Measured: 6e-6 (PP 2) and
+# 8e-5 (PP 4) of the update's norm.
+PIPELINE_NORM = {"loss_rtol": 1e-4, "norm_rtol": 1e-4, "update_rtol": 1e-3}
+SLOW = set(EIGHT_RANKS)
+for _s in SCHEDULES:
+    for _pp in (2, 4):
+        _m = min(8, 2 * _pp * default_stages_per_rank(_s))
+        _model = {"layers": 2 * _pp, "d_model": 32, "heads": 2, "vocab": 64, "seq_len": 16}
+        LAYOUTS[f"pp{_pp}-{_s}-two-blocks-per-stage"] = (_pipeline(_s, _pp, microbatches=_m, model=_model),
+                                                         PIPELINE_NORM)
+    SLOW.add(f"pp4-{_s}-two-blocks-per-stage")
+
 
 def _case(layout_id: str):
-    marks = [pytest.mark.slow] if layout_id in EIGHT_RANKS else []
+    marks = [pytest.mark.slow] if layout_id in SLOW else []
     return pytest.param(layout_id, marks=marks, id=layout_id)
 
 
@@ -117,7 +134,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @functools.lru_cache(maxsize=None)
 def _reference(key: str) -> dict:
-    return train_reference(json.loads(key))
+    return train_reference(RunConfig.from_dict(json.loads(key)))
 
 
 def _check_params(rank: int, got: dict, ref: dict, tol: dict, init: dict) -> None:
@@ -151,7 +168,7 @@ def test_layout_trains_like_one_process(request, layout_id):
     print(f"{layout_id}: {time.perf_counter() - start:.2f}s on the pool")
     assert pool.run(live_group_count) == [1] * pool.world_size, "sub-groups left behind"
     results = results[:cfg.get("world_size", len(results))]  # ranks beyond world_size sat the run out
-    init = dict(build_gpt(model_config(cfg)).named_parameters())
+    init = dict(build_gpt(model_config(RunConfig.from_dict(cfg))).named_parameters())
     for rank, res in enumerate(results):
         json.dumps({k: res[k] for k in ("losses", "grad_norms", "step_times", "layout")})  # JSON-able records
         assert res["losses"] == pytest.approx(ref["losses"], rel=tol["loss_rtol"]), f"rank {rank} losses"
@@ -164,7 +181,7 @@ def test_layout_trains_like_one_process(request, layout_id):
         assert held == sorted(list(range(len(held) // copies)) * copies), held
     sharded = fields.get("zero", 0) >= 2 or fields.get("fsdp_strategy") == "hybrid"
     if sharded and fields.get("dp") == 4:  # FSDP shards each tensor over the dp ranks holding it
-        copies = fields.get("hsdp_replicate", 1) if fields.get("fsdp_strategy") == "hybrid" else 1
+        copies = fields.get("dp_replicate", 1) if fields.get("fsdp_strategy") == "hybrid" else 1
         for name in ref["params"]:
             holders = [r["layout"]["params"][name] for r in results if name in r["layout"]["params"]]
             held = sum(math.prod(info["local_shape"]) for info in holders)

@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from kernels.data import SyntheticTokens, microbatches, shard_batch
-from kernels.model import GPTConfig, build_gpt, count_parameters, keep_stage, loss_fn, stage_layers
+from kernels.layout_rules import layer_split
+from kernels.model import GPTConfig, build_gpt, count_parameters, keep_stage, loss_fn
 
 TINY = GPTConfig(layers=2, d_model=32, heads=2, vocab=32, seq_len=16, seed=0)
 
@@ -81,7 +82,7 @@ def test_pipeline_stages_chained_equal_the_whole_model(num_stages):
     x = tokens
     for s in range(num_stages):
         stage = keep_stage(build_gpt(TINY), s, num_stages)
-        assert list(stage.blocks.keys()) == [str(i) for i in stage_layers(TINY.layers, num_stages, s)]
+        assert list(stage.blocks.keys()) == [str(i) for i in layer_split(TINY.layers, num_stages, s)]
         assert (stage.tok_emb is None) == (s > 0) and (stage.lm_head is None) == (s < num_stages - 1)
         x = stage(x)  # (B, T, C) between stages, (B, T, V) after the last
         assert x.shape[-1] == (TINY.vocab if s == num_stages - 1 else TINY.d_model)

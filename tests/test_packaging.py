@@ -41,7 +41,10 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            if (ROOT / node.module.replace(".", "/")).is_dir():  # `from kernels import layout_rules`
+                names |= {f"{node.module}.{a.name}" for a in node.names}
+            else:
+                names.add(node.module)
     return names
 
 

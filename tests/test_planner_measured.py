@@ -7,7 +7,7 @@ fp32 parameters in 37 tensors), global batch 8, fp32 AdamW (the planner's
 ``dtype="fp32", optimizer="adam"``: 4 + 4 + K=8 bytes per parameter).
 
 Layouts (``LAYOUTS``): DDP and ZeRO-1/2/3 on dp=4; TP2×DP2 with zero 0, which
-``kernels.train.layout_plan`` builds as FSDP2 *replication* on the dp axis (a hybrid
+``kernels.parallel.strategy.resolve_strategy`` builds as FSDP2 *replication* on the dp axis (a hybrid
 mesh with shard size 1: DDP cannot take TP DTensors), so memory is DDP's and the dp
 traffic is one gradient all-reduce; TP2×DP2 ZeRO-3 (FSDP2 sharding over TP shards,
 2D DTensors); TP4 alone and PP2×TP2, where nothing but TP decides where gradients
@@ -61,7 +61,7 @@ LAYOUTS = {
     "zero2": {"dp": 4, "zero": 2},
     "zero3": {"dp": 4, "zero": 3},
     "tp4": {"dp": 1, "tp": 4},
-    "tp2_dp2": {"dp": 2, "tp": 2},  # zero 0: FSDP2 replication on dp (kernels.train.layout_plan)
+    "tp2_dp2": {"dp": 2, "tp": 2},  # zero 0: FSDP2 replication on dp (resolve_strategy)
     "tp2_dp2_zero3": {"dp": 2, "tp": 2, "zero": 3},
     "pp2_dp2": {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
     "pp2_tp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},

@@ -4,7 +4,7 @@ On the 4-rank gloo pool, with the tiny GPT of tests/test_experiment.py:
 
 - PP2×DP2 1F1B, m=4, ``trace=True`` with synthetic action costs: the RunResult's bubble
   (computed on the driver from the ranks' events) is within ±3 pp of (p-1)/(m+p-1) = 0.2,
-  as tests/test_bubble.py requires of kernels.pipeline_trace. t = 0.08 s, as there: at
+  as tests/test_bubble.py requires of the traced loop. t = 0.08 s, as there: at
   t = 0.04 s the per-hop overhead on this shared 2-core machine (1-3 ms) came too close
   to the bound. The same run also measures (``measure=True``): with pp, memory at rest.
 - DDP on 4 ranks, two micro-batches, with ``measure=True``: memory equals the exact rule at both moments

@@ -89,7 +89,7 @@ def test_tracing_off_installs_no_wrappers(one_rank_world):
     from torch.distributed.pipelining import schedules
 
     from kernels.model import loss_fn
-    from kernels.pipeline import build_pipeline, pipeline_step
+    from kernels.parallel.pipeline import build_pipeline, pipeline_step
     from kernels.trace import TraceRecorder, is_instrumented, traced
 
     rt = build_pipeline({"layers": 2, "d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8},

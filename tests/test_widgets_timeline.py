@@ -55,7 +55,7 @@ def trace_events(schedule: str = "1f1b", pp: int = 4, m: int = 8, *, split: bool
 
 
 def rank_records(pp: int = 4, m: int = 8) -> list[dict]:
-    """What kernels.pipeline_trace.trace_pipeline_step returns per rank (two traced steps)."""
+    """What a traced pipeline run of kernels.train.train_rank returns per rank (two traced steps)."""
     events = trace_events(pp=pp, m=m, step=0) + trace_events(pp=pp, m=m, step=1, epoch=13.5)
     return [{"rank": r, "pp_rank": r, "dp_rank": 0, "schedule": "1f1b", "pp": pp, "dp": 1, "stages_per_rank": 1,
              "microbatches": m, "stage_ids": [r], "synthetic": True,

@@ -25,22 +25,19 @@ from typing import Iterator
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.mesh import ParallelDims, dp_group
 
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float = 25.0) -> DDP:
+    """Wrap ``model`` in DDP over the 1D ``dp_mesh`` (the model must hold plain tensors).
 
-def apply_ddp(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *,
-              bucket_cap_mb: float = 25.0) -> DDP:
-    """Wrap ``model`` in DDP over the mesh's dp axis (the model must hold plain tensors).
-
-    ``dims`` is checked: DDP over a tp or pp axis would average gradients that must
-    not be averaged, so tp and pp must be 1 here (TP layouts use FSDP on the dp axis).
+    DDP cannot average DTensor (TP) gradients: TP layouts replicate with FSDP2 on the dp axis instead.
     """
-    if dims.tp != 1 or dims.pp != 1:
-        raise ValueError(f"apply_ddp replicates whole models: needs tp == pp == 1, got tp={dims.tp}, pp={dims.pp}")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("apply_ddp replicates plain tensors: this model holds DTensors (TP); use FSDP on dp")
     device_ids = None  # CPU / gloo; on CUDA DDP infers the device from the parameters
-    return DDP(model, process_group=dp_group(mesh), device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+    return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

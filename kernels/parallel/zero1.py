@@ -11,7 +11,7 @@ per fp32 parameter here) is partitioned, so each rank keeps about 1/dp of it:
   parameters are broadcast from their owner over the dp group, so all replicas end
   equal again.
 
-ZeRO-2 and ZeRO-3 are FSDP2's ``fully_shard`` (``kernels.fsdp``).
+ZeRO-2 and ZeRO-3 are FSDP2's ``fully_shard`` (``kernels.parallel.fsdp``).
 
 Run alone (ZeRO-1 on 4 ranks)::
 
@@ -25,20 +25,20 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
-from kernels.mesh import ParallelDims, dp_group
 
-
-def apply_zero1(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, **adamw: Any) -> ZeroRedundancyOptimizer:
-    """An AdamW whose state is sharded over the dp axis; ``adamw`` are AdamW's keyword args.
+def build_zero1_optimizer(model: nn.Module, dp_mesh: DeviceMesh, **adamw: Any) -> ZeroRedundancyOptimizer:
+    """An AdamW whose state is sharded over the 1D ``dp_mesh``; ``adamw`` are AdamW's keyword args.
 
     ZeroRedundancyOptimizer partitions plain tensors only, so ``model`` must not hold
-    DTensors (no TP); gradients must already be averaged over dp (wrap in DDP first).
+    DTensors (no TP); gradients must already be averaged over dp (DDP, or by hand in a pipeline).
     """
-    if dims.tp != 1:
-        raise ValueError(f"ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: needs tp=1, got {dims.tp}")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: "
+                         "use zero 2/3 with tp > 1")
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                   process_group=dp_group(mesh), parameters_as_bucket_view=False, **adamw)
+                                   process_group=dp_mesh.get_group(), parameters_as_bucket_view=False, **adamw)
 
 
 def owned_parameters(optimizer: ZeroRedundancyOptimizer, model: nn.Module) -> list[str]:

@@ -48,7 +48,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hy
     """Shard ``model`` with ``fully_shard``: every block first, then the root.
 
     ``dp_mesh``: the 1D dp sub-mesh, or for ``hybrid`` the 2D (dp_replicate, dp_shard)
-    mesh from ``kernels.mesh.build_hsdp_mesh``. ``zero_stage`` 2 keeps parameters
+    mesh from ``kernels.parallel.mesh.build_hsdp_mesh``. ``zero_stage`` 2 keeps parameters
     whole from forward to backward, 3 frees them after each unit's forward.
     """
     if zero_stage not in (2, 3):

@@ -23,7 +23,7 @@ the loss so the gradients equal the one-process reference.
 
 Run alone (two CPU ranks, checks the losses against one process)::
 
-    torchrun --nproc-per-node 2 -m kernels.pipeline [schedule]
+    torchrun --nproc-per-node 2 -m kernels.parallel.pipeline [schedule]
 
 ``kernels.train.train_rank`` composes it with DP, FSDP and TP on a (pp, dp, tp) mesh.
 """
@@ -43,19 +43,20 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
     ScheduleZBVZeroBubble)
 
+from kernels import layout_rules
 from kernels.model import GPTConfig, build_gpt, keep_stage
 
 # gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
-SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-MULTI_STAGE = {
+# Names and placement families: kernels.layout_rules.
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "looped_bfs": ScheduleLoopedBFS,
     "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-V_SCHEDULES = ("zbv", "dualpipev")  # stages rank and 2p-1-rank (a "V") on each rank
-SCHEDULES = tuple(SINGLE_STAGE) + tuple(MULTI_STAGE)
 
 
 @dataclass
@@ -74,37 +75,17 @@ class PipelineRuntime:
     has_last: bool  # holds the last stage: owns targets and losses
 
 
-def stage_ids_for_rank(schedule: str, pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
-    """Global stage indices on ``pp_rank``: [r], looped [r, r+p, ...], or the V [r, 2p-1-r]."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank={pp_rank} must be in 0..{pp_size - 1}")
-    if schedule in SINGLE_STAGE:
-        if stages_per_rank != 1:
-            raise ValueError(f"{schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}")
-        return [pp_rank]
-    if schedule in V_SCHEDULES:
-        if stages_per_rank != 2:
-            raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {stages_per_rank}")
-        # Rank 0 holds the first and the last stage, so the V turns round on rank p-1.
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
-
-
 def check_schedule(schedule: str, pp_size: int, stages_per_rank: int, microbatches: int) -> None:
-    """Raise ValueError, in words, for the micro-batch rules torch 2.13 enforces (DESIGN §4b)."""
-    stage_ids_for_rank(schedule, 0, pp_size, stages_per_rank)  # name and placement rules
-    m, n = microbatches, pp_size * stages_per_rank
-    if m < 1:
-        raise ValueError(f"microbatches={m} must be positive")
-    if schedule in ("1f1b", "dualpipev") and m < n:
-        raise ValueError(f"{schedule} needs microbatches={m} >= number of stages={n}")
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        rounds = max(1, m // pp_size)
-        if m % rounds:
-            raise ValueError(f"{schedule} needs microbatches={m} to be a multiple of "
-                             f"max(1, m // pp)={rounds}")
+    """Raise ValueError, in words, for the placement and micro-batch rules torch's schedules enforce.
+
+    The lab's own "pp-microbatches" rule (fewer micro-batches than ranks) is the driver's
+    to warn about: torch runs such a pipeline, and so do the ranks.
+    """
+    problems = [*layout_rules.stage_problems(schedule, stages_per_rank),
+                *layout_rules.microbatch_problems(schedule, pp_size, stages_per_rank, microbatches)]
+    problems = [message for rule, message in problems if rule != "pp-microbatches"]
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 class MicrobatchMeanLoss:
@@ -134,10 +115,11 @@ def build_pipeline(model_cfg: GPTConfig | dict, schedule: str, pp_rank: int, pp_
     (return None) or return a replacement.
     """
     cfg = GPTConfig(**model_cfg) if isinstance(model_cfg, dict) else model_cfg
+    schedule = layout_rules.canonical_schedule(schedule)
     check_schedule(schedule, pp_size, stages_per_rank, microbatches)
     device = torch.device(device)
     num_stages = pp_size * stages_per_rank
-    stage_ids = stage_ids_for_rank(schedule, pp_rank, pp_size, stages_per_rank)
+    stage_ids = list(layout_rules.stage_ids(schedule, pp_rank, pp_size, stages_per_rank))
     full = build_gpt(cfg, device)  # every rank builds the same seeded weights, no broadcast needed
     modules, stages = [], []
     for sid in stage_ids:
@@ -149,12 +131,9 @@ def build_pipeline(model_cfg: GPTConfig | dict, schedule: str, pp_rank: int, pp_
         stages.append(PipelineStage(module, sid, num_stages, device, group=pp_group))
     del full
     scaled_loss = MicrobatchMeanLoss(loss_fn, microbatches)
-    if schedule in SINGLE_STAGE:
-        sched = SINGLE_STAGE[schedule](stages[0], n_microbatches=microbatches,
+    single = schedule in layout_rules.SINGLE_STAGE_SCHEDULES
+    sched = SCHEDULE_CLASSES[schedule](stages[0] if single else stages, n_microbatches=microbatches,
                                        loss_fn=scaled_loss, scale_grads=False)
-    else:
-        sched = MULTI_STAGE[schedule](stages, n_microbatches=microbatches,
-                                      loss_fn=scaled_loss, scale_grads=False)
     return PipelineRuntime(schedule, stage_ids, modules, stages, sched, num_stages, microbatches,
                            device, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids)
 
@@ -191,12 +170,34 @@ def share_loss(loss: float | None, pp_group: dist.ProcessGroup | None, device: t
     return value
 
 
+def planned_compute_order(runtime: PipelineRuntime, pp_rank: int) -> list[list] | None:
+    """Torch's planned compute actions for this rank as [stage, "F"|"B"|"I"|"W", microbatch].
+
+    ``schedule.pipeline_order`` is private and, for GPipe and 1F1B in torch 2.8-2.13,
+    wrong; the driver builds its own for those. None when torch has none.
+    """
+    try:
+        order = getattr(runtime.schedule, "pipeline_order", None)
+        actions = order.get(pp_rank) if order else None
+        if actions is None:
+            return None
+        out: list[list] = []
+        for action in actions:
+            for sub in (action.sub_actions or (action,)) if action is not None else ():
+                letter = getattr(sub.computation_type, "value", str(sub.computation_type))
+                if letter in ("F", "B", "I", "W"):
+                    out.append([int(sub.stage_index), letter, int(sub.microbatch_index)])
+        return out
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 if __name__ == "__main__":
     # The same stages through kernels.train.train_rank, compared with one process there.
     from kernels.train import main
 
     world = int(os.environ.get("WORLD_SIZE", "2"))
     schedule = sys.argv[1] if len(sys.argv) > 1 else "1f1b"
-    m = 2 * world * (1 if schedule in SINGLE_STAGE else 2)  # satisfies every schedule's micro-batch rule
+    m = 2 * world * layout_rules.default_stages_per_rank(schedule)  # satisfies every schedule's micro-batch rule
     main(["--pp", str(world), "--schedule", schedule, "--layers", str(2 * world), "--heads", "2",
           "--microbatches", str(m), "--global-batch", str(2 * m)])

@@ -6,21 +6,20 @@ builds it: ranks ``arange(world).view(pp, dp, tp)``, so tp varies fastest and a
 tensor-parallel group is made of neighbouring ranks (one host, the fastest links).
 Rank r sits at ``pp = r // (dp*tp)``, ``dp = (r // tp) % dp``, ``tp = r % tp``.
 
-``ParallelDims`` is passed explicitly to every ``apply_*`` function (never read from
-a global) and checks ``dp * tp * pp == world_size`` with a readable error.
+``ParallelDims`` checks ``dp * tp * pp == world_size`` with a readable error.
 "axis" here means a mesh axis ("pp", "dp", "tp"); "dim" means a tensor dimension.
 
-HSDP needs the dp axis split into (replicate, shard); ``build_hsdp_mesh`` builds that
-2D sub-mesh over the same rank order with the public ``DeviceMesh`` constructor.
+HSDP needs the dp axis split into (dp_replicate, dp_shard), dp = dp_replicate * dp_shard;
+``build_hsdp_mesh`` builds that 2D sub-mesh over the same rank order with the public
+``DeviceMesh`` constructor.
 
 Run alone (prints each rank's coordinates and groups)::
 
-    torchrun --nproc-per-node 4 -m kernels.mesh
+    torchrun --nproc-per-node 4 -m kernels.parallel.mesh
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,26 +34,23 @@ class ParallelDims:
     tp: int = 1  # tensor-parallel degree (Megatron column/row split)
     pp: int = 1  # pipeline-parallel degree
     world_size: int = 1  # must equal dp * tp * pp
+    dp_replicate: int = 1  # HSDP: replica groups of the dp axis (1 without HSDP); dp_shard = dp // dp_replicate
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "world_size"):
+        for name in ("dp", "tp", "pp", "world_size", "dp_replicate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelDims.{name} must be a positive int, got {value!r}")
         if self.dp * self.tp * self.pp != self.world_size:
             raise ValueError(f"ParallelDims: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
                              f"{self.dp * self.tp * self.pp} must equal the world size {self.world_size}")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"ParallelDims: dp_replicate={self.dp_replicate} must divide dp={self.dp}")
 
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any], world_size: int | None = None) -> "ParallelDims":
-        """From a plain config dict (missing sizes are 1); the world defaults to the process group's."""
-        if world_size is None:
-            world_size = dist.get_world_size() if dist.is_initialized() else 1
-        elif dist.is_initialized() and int(world_size) > dist.get_world_size():
-            raise ValueError(f"ParallelDims: world_size={world_size} is more than the "
-                             f"{dist.get_world_size()} ranks of the process group")
-        return cls(dp=int(cfg.get("dp", 1)), tp=int(cfg.get("tp", 1)), pp=int(cfg.get("pp", 1)),
-                   world_size=int(world_size))
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one parameter is sharded over (HSDP's shard group; all of dp without HSDP)."""
+        return self.dp // self.dp_replicate
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index on each mesh axis, from the (pp, dp, tp) row-major order."""
@@ -70,30 +66,18 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
 
 
-def build_hsdp_mesh(dims: ParallelDims, replicate: int, device_type: str = "cpu") -> DeviceMesh:
+def build_hsdp_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """The 2D (dp_replicate, dp_shard) sub-mesh for HSDP, over the same rank order as ``build_mesh``.
 
-    dp index = replicate_index * shard + shard_index, so a shard group is made of
+    dp index = replicate_index * dp_shard + shard_index, so a shard group is made of
     dp-neighbours. Every rank builds the whole 4D grid (new groups are collective).
     """
-    if replicate < 1 or dims.dp % replicate:
-        raise ValueError(f"HSDP: replicate={replicate} must divide dp={dims.dp}")
-    shard = dims.dp // replicate
-    grid = torch.arange(dims.world_size).view(dims.pp, replicate, shard, dims.tp)
+    grid = torch.arange(dims.world_size).view(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
     full = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     return full["dp_replicate", "dp_shard"]
 
 
-def default_replicate(dp: int) -> int:
-    """HSDP's replicate degree when none is given: the largest divisor <= sqrt(dp), at least 2 if possible."""
-    best = 1
-    for k in range(2, dp):
-        if dp % k == 0 and k * k <= dp:
-            best = k
-    return best
-
-
-# --- per-axis helpers (dp_/tp_/pp_ + rank|world_size|group) ---------------------------
+# --- per-axis helpers ------------------------------------------------------------------
 def dp_rank(mesh: DeviceMesh) -> int:
     return mesh.get_local_rank("dp")
 
@@ -106,24 +90,12 @@ def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh.get_group("dp")
 
 
-def tp_rank(mesh: DeviceMesh) -> int:
-    return mesh.get_local_rank("tp")
-
-
-def tp_world_size(mesh: DeviceMesh) -> int:
-    return mesh.size(MESH_AXES.index("tp"))
-
-
 def tp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh.get_group("tp")
 
 
 def pp_rank(mesh: DeviceMesh) -> int:
     return mesh.get_local_rank("pp")
-
-
-def pp_world_size(mesh: DeviceMesh) -> int:
-    return mesh.size(MESH_AXES.index("pp"))
 
 
 def pp_group(mesh: DeviceMesh) -> dist.ProcessGroup:

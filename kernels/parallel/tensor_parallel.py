@@ -3,7 +3,8 @@
 Algorithm: Megatron-LM tensor parallelism (Shoeybi et al., 2019, "Megatron-LM:
 Training Multi-Billion Parameter Language Models Using Model Parallelism") and its
 sequence parallelism (Korthikanti et al., 2022, "Reducing Activation Recomputation
-in Large Transformer Models"), written as torchtitan writes them: plain plan dicts.
+in Large Transformer Models"), written as torchtitan writes them: plain plan dicts, kept beside each model
+(``kernels.model.GPT.tp_plan``, ``kernels.llama.Llama.tp_plan``).
 
 In each block, on the tp axis of the mesh:
 
@@ -30,71 +31,33 @@ Run alone (TP on 4 ranks, then with sequence parallelism)::
 from __future__ import annotations
 
 import contextlib
-from typing import Any
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
-
-
-def block_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """The TP plan of one transformer block (keys are submodule names in kernels.model.Block)."""
-    if not sequence_parallel:
-        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                "attn.out": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
-    # SP: the residual stream between blocks is (B, T/tp, C) on each rank, Shard(1).
-    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {
-        "attn_norm": SequenceParallel(),  # LayerNorm on (B, T/tp, C)
-        "attn": gather_input,  # all_gather to (B, T, C); backward: reduce_scatter
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(output_layouts=Shard(1)),  # reduce_scatter to (B, T/tp, C)
-        "mlp_norm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.fc_in": ColwiseParallel(),
-        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
-    }
-
-
-def outer_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
-    """The TP plan for the embeddings, final norm and LM head (kernels.model.GPT names)."""
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        # Row-parallel embedding: each rank looks up its vocab rows (zeros elsewhere),
-        # forward all_reduce (or reduce_scatter over T under SP), backward identity.
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        # Positions (T,) -> (T, C): the sequence dim is dim 0 here, so SP shards dim 0.
-        "pos_emb": RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=Shard(0) if sequence_parallel else Replicate()),
-        # Column-parallel head: all_gather of the input (SP) then vocab-sharded logits;
-        # without loss_parallel the logits are all_gathered to (B, T, V) on every rank.
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=not loss_parallel),
-    }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    return plan
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` (a whole kernels.model.GPT) over the 1D ``tp_mesh`` in place.
+    """Shard ``model`` (a whole model or a pipeline stage) over the 1D ``tp_mesh`` in place.
 
-    Every tp rank must hold the same weights (``kernels.model.build_gpt`` from one seed).
+    The plan is the model's own (``tp_plan``, beside the model: ``kernels.model.GPT``,
+    ``kernels.llama.Llama``), as are the sizes that must divide by tp (``tp_sizes``).
+    Every tp rank must hold the same weights (built from one seed, or on the meta device).
     """
     tp = tp_mesh.size()
-    cfg = model.config
-    sizes = {"heads": cfg.heads, "d_ff": cfg.d_ff, "vocab": cfg.vocab, "seq_len": cfg.seq_len}
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    bad = [f"{k}={v}" for k, v in model.tp_sizes().items() if v % tp]
     if bad:
         raise ValueError(f"apply_tp: {', '.join(bad)} must be divisible by tp={tp}")
+    block_plan, outer_plan = model.tp_plan(sequence_parallel, loss_parallel)
     # Every rank built the same weights from the seed, so each slices its shard locally
     # (src_data_rank=None) instead of receiving it from rank 0: no collective per weight.
     for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel), src_data_rank=None)
-    parallelize_module(model, tp_mesh, outer_plan(sequence_parallel, loss_parallel), src_data_rank=None)
+        parallelize_module(block, tp_mesh, block_plan, src_data_rank=None)
+    # A pipeline stage lacks the embeddings or the head: their entries are left out.
+    outer_plan = {k: v for k, v in outer_plan.items() if getattr(model, k.split(".")[0], None) is not None}
+    if outer_plan:
+        parallelize_module(model, tp_mesh, outer_plan, src_data_rank=None)
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model

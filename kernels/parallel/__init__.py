@@ -1,0 +1,13 @@
+"""One file per parallelism, each with its ``apply_<x>(model, mesh, **opts)``, and ``parallelize``.
+
+- ``mesh``: ``ParallelDims`` and the (pp, dp, tp) DeviceMesh (plus HSDP's 2D dp mesh);
+- ``tensor_parallel``: Megatron TP and sequence parallelism (``apply_tp``);
+- ``activation_checkpoint``: per-block recomputation (``apply_ac``);
+- ``fsdp``: ZeRO-2/3 and HSDP with FSDP2 (``apply_fsdp``);
+- ``ddp``: torch DDP (``apply_ddp``); ``zero1``: ZeroRedundancyOptimizer (``build_zero1_optimizer``);
+- ``pipeline``: stages and torch's pipeline schedules (``build_pipeline``);
+- ``strategy``: the frozen ``Strategy`` a run config resolves to;
+- ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP.
+
+The teaching twin ``kernels.data_parallel_naive`` stays outside, a hand-written DDP for the notebooks.
+"""

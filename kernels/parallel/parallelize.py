@@ -1,0 +1,51 @@
+"""``parallelize``: apply a ``Strategy`` to a whole GPT or one pipeline stage, in torchtitan's order.
+
+Algorithm: the composition of torchtitan's ``parallelize_llama`` (Megatron TP: Shoeybi
+et al., 2019; activation recomputation: Chen et al., 2016; FSDP: Zhao et al., 2023;
+DDP: Li et al., 2020). The order is fixed, and each step needs the one before:
+
+1. TP first: ``parallelize_module`` turns whole ``nn.Linear`` weights into DTensors
+   on the tp axis, and must see the original submodules.
+2. Activation checkpointing wraps each block's forward, so a block's recompute in
+   backward runs the TP collectives again, inside the block.
+3. Compilation would come here (after AC, so it sees the checkpointed blocks; before
+   FSDP, so FSDP's hooks stay outside the compiled graph). Nothing is compiled yet.
+4. Data parallelism last: FSDP2's ``fully_shard`` shards whatever parameters it finds
+   (plain tensors, or TP DTensors, giving 2D (dp, tp) DTensors) and its hooks
+   surround the recompute; or DDP wraps the model (ZeRO-1 too: its optimizer comes
+   from ``kernels.parallel.zero1.build_zero1_optimizer``). Inside a pipeline the
+   loop averages gradients itself after the schedule, so no DDP wraps a stage.
+
+Run alone (TP 2 x FSDP 2, beside the one-process reference)::
+
+    torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from kernels.parallel.activation_checkpoint import apply_ac
+from kernels.parallel.ddp import apply_ddp
+from kernels.parallel.fsdp import apply_fsdp
+from kernels.parallel.strategy import GradSync, Strategy
+from kernels.parallel.tensor_parallel import apply_tp
+
+
+def parallelize(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, dp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Apply ``strategy`` to ``model`` on the (pp, dp, tp) ``mesh``; returns the model to train (maybe DDP-wrapped).
+
+    ``dp_mesh`` is FSDP's mesh: the 2D HSDP mesh (``build_hsdp_mesh``), or by default the
+    mesh's dp axis.
+    """
+    if strategy.tp > 1:  # 1. TP: DTensors on the tp axis
+        apply_tp(model, mesh["tp"], sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel)
+    if strategy.activation_checkpointing:  # 2. AC: per block, inside FSDP's units
+        apply_ac(model)
+    # 3. torch.compile would go here, per block.
+    if strategy.grad_sync is GradSync.FSDP:  # 4a. FSDP on the dp axis (2D with TP)
+        apply_fsdp(model, dp_mesh if dp_mesh is not None else mesh["dp"], zero_stage=strategy.zero,
+                   hybrid=strategy.hybrid, mixed_precision=strategy.mixed_precision, cpu_offload=strategy.cpu_offload)
+    elif strategy.grad_sync in (GradSync.DDP, GradSync.ZERO1) and strategy.pp == 1 and strategy.dp > 1:  # 4b. DDP
+        model = apply_ddp(model, mesh["dp"])
+    return model

@@ -1,0 +1,106 @@
+"""The ``Strategy`` a run resolves to: which parallelisms ``parallelize`` applies, and how.
+
+Algorithm: none of its own; it names the composition torchtitan's ``parallelize``
+applies (Megatron TP: Shoeybi et al., 2019; ZeRO: Rajbhandari et al., 2020; FSDP:
+Zhao et al., 2023) and the rules for combining them:
+
+- ``zero`` (or an FSDP strategy name, ``kernels.layout_rules.zero_stage``) picks how
+  gradients meet over dp: DDP (0), ZeRO-1 (1) or FSDP2 (2, 3; hybrid: HSDP);
+- TP with dp > 1 and zero < 2, outside a pipeline, replicates with FSDP2 on a
+  (dp, 1) HSDP mesh: DDP cannot take TP's DTensors;
+- inside a pipeline, zero 0 with dp > 1 averages gradients by hand after the schedule
+  (one all_reduce per gradient, shard by shard for TP DTensors);
+- ZeRO-1 cannot shard DTensors; bf16 and CPU offload are FSDP2 policies (zero >= 2);
+  loss parallelism needs the loss outside the pipeline schedule.
+
+Run alone (prints the strategy of a few layouts)::
+
+    python -m kernels.parallel.strategy
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kernels import layout_rules
+from kernels.parallel.mesh import ParallelDims
+
+
+class GradSync(enum.Enum):
+    """How the dp replicas' gradients meet."""
+
+    NONE = "none"  # dp == 1
+    DDP = "ddp"  # torch DDP, bucketed all-reduce overlapped with backward
+    ZERO1 = "zero1"  # DDP's (or, in a pipeline, the hand) all-reduce, then a ZeroRedundancyOptimizer
+    FSDP = "fsdp"  # FSDP2: reduce-scatter (ZeRO-2/3), HSDP adds an all-reduce over replicas
+    ALLREDUCE = "allreduce"  # pipeline only: one all_reduce per gradient after the schedule
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What ``parallelize`` applies and the loop runs; built by ``resolve_strategy``."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    grad_sync: GradSync = GradSync.NONE
+    zero: int = 0  # the ZeRO stage (0-3)
+    hybrid: bool = False  # FSDP on the 2D (dp_replicate, dp_shard) mesh
+    dp_replicate: int = 1  # HSDP replica groups (1 without HSDP)
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    activation_checkpointing: bool = False
+    mixed_precision: str | None = None  # "bf16": FSDP2's MixedPrecisionPolicy
+    cpu_offload: bool = False
+    schedule: str | None = None  # pipeline schedule (pp > 1)
+    stages_per_rank: int = 1
+    microbatches: int = 1
+
+    @property
+    def kind(self) -> str:
+        """The name the records carry: single/tp/ddp/zero1/fsdp, or with pp pp/allreduce/zero1/fsdp."""
+        if self.grad_sync is GradSync.NONE:
+            return "pp" if self.pp > 1 else ("tp" if self.tp > 1 else "single")
+        return self.grad_sync.value
+
+
+def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | None = None, dp_replicate: int | None = None,
+                     sequence_parallel: bool = False, loss_parallel: bool = False,
+                     activation_checkpointing: bool = False, mixed_precision: str | None = None,
+                     cpu_offload: bool = False, schedule: str | None = None, stages_per_rank: int | None = None,
+                     microbatches: int | None = None) -> Strategy:
+    """The one Strategy these options mean on ``dims``; ValueError for combinations that cannot run."""
+    zero = layout_rules.zero_stage(zero, fsdp_strategy)
+    hybrid = fsdp_strategy == "hybrid"
+    replicate = layout_rules.hsdp_split(dims.dp, dp_replicate)[0] if hybrid else 1
+    if zero == 1 and dims.tp > 1:
+        raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: use zero 2/3 with tp > 1")
+    if (mixed_precision or cpu_offload) and zero < 2 and not (dims.tp > 1 and dims.dp > 1 and dims.pp == 1):
+        raise ValueError("mixed_precision and cpu_offload are FSDP2 policies: they need zero 2 or 3")
+    if dims.pp > 1:
+        if loss_parallel:  # vocab-sharded logits would need loss_parallel() around every stage's backward
+            raise ValueError("loss_parallel is not supported with pp > 1: the pipeline schedule owns the loss")
+        schedule = layout_rules.canonical_schedule(schedule or "1f1b")
+        sync = (GradSync.FSDP if zero >= 2 else GradSync.ZERO1 if zero == 1
+                else GradSync.ALLREDUCE if dims.dp > 1 else GradSync.NONE)
+        hybrid = hybrid and zero >= 2
+        pipeline = {"schedule": schedule, "microbatches": int(microbatches or dims.pp),
+                    "stages_per_rank": int(stages_per_rank or layout_rules.default_stages_per_rank(schedule))}
+    else:
+        if dims.tp > 1 and dims.dp > 1 and zero < 2:  # DDP cannot take TP DTensors: FSDP2 replication
+            zero, hybrid, replicate = 2, True, dims.dp
+        sync = (GradSync.FSDP if zero >= 2 else GradSync.ZERO1 if zero == 1
+                else GradSync.DDP if dims.dp > 1 else GradSync.NONE)
+        pipeline = {"microbatches": int(microbatches or 1)}
+    return Strategy(dp=dims.dp, tp=dims.tp, pp=dims.pp, grad_sync=sync, zero=zero, hybrid=hybrid,
+                    dp_replicate=replicate if hybrid else 1, sequence_parallel=bool(sequence_parallel),
+                    loss_parallel=bool(loss_parallel) and dims.tp > 1,
+                    activation_checkpointing=bool(activation_checkpointing), mixed_precision=mixed_precision,
+                    cpu_offload=bool(cpu_offload), **pipeline)
+
+
+if __name__ == "__main__":
+    for sizes, opts in (({"dp": 4}, {}), ({"dp": 2, "tp": 2}, {}), ({"dp": 4}, {"fsdp_strategy": "hybrid"}),
+                        ({"pp": 2, "dp": 2}, {"schedule": "zbv"})):
+        dims = ParallelDims(world_size=sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1), **sizes)
+        print(sizes, opts, "->", resolve_strategy(dims, **opts))

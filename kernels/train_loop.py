@@ -1,0 +1,172 @@
+"""The one training loop, for every layout: ``train_loop(step_fn, optimizer, ...)``.
+
+Algorithm: synchronous minibatch AdamW. Every rank builds the same global batch and
+keeps its dp shard (``shard_batch``); tp ranks of one dp index see the same samples.
+Each step runs the step function the strategy chose, then the optimizer:
+
+- ``FlatStep`` (pp == 1): the shard is split into micro-batches; gradients accumulate
+  over them and meet over dp on the last one (DDP's bucketed all-reduce, FSDP2's
+  reduce-scatter, or nothing to do with TP alone);
+- ``PipelineStep`` (pp > 1): one schedule step over m micro-batches
+  (``kernels.parallel.pipeline``), then, unless FSDP reduced them already, one
+  all_reduce(SUM) per gradient over dp and a divide by dp (``average_gradients``),
+  shard by shard for TP DTensors.
+
+The reported loss of a step is the global-batch mean: the replica's loss (with pp,
+sent from the last stage's rank over the pp group) all_reduced (SUM) over dp, / dp.
+The gradient norm is the whole gradient's, summed in squares over a pipeline's stages.
+Measuring (probes, the tracer) attaches through ``kernels.step_hooks.StepHooks``.
+
+Run alone (through the rank function that builds the layout)::
+
+    torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from kernels.data import SyntheticTokens, microbatches, shard_batch
+from kernels.model import loss_fn
+from kernels.parallel import pipeline
+from kernels.parallel.ddp import sync_gradients
+from kernels.parallel.tensor_parallel import loss_context
+from kernels.step_hooks import StepHooks
+
+
+class FlatStep:
+    """pp == 1: forward and backward over the shard's micro-batches; returns the replica's loss (float32)."""
+
+    def __init__(self, model: nn.Module, microbatches: int, loss_parallel: bool, device: torch.device) -> None:
+        self.model, self.n_micro, self.loss_parallel, self.device = model, microbatches, loss_parallel, device
+        self.params_module = model  # what the gradient norm reads
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor:
+        local = torch.zeros((), device=self.device)
+        pairs = list(zip(microbatches(inputs, self.n_micro), microbatches(targets, self.n_micro)))
+        for i, (x, y) in enumerate(pairs):
+            last = i == len(pairs) - 1
+            with sync_gradients(self.model, sync=last), loss_context(self.loss_parallel), hooks.part():
+                with hooks.forward(last):
+                    loss = loss_fn(self.model(x.to(self.device)), y.to(self.device)) / self.n_micro  # shard mean
+                loss.backward()
+            # Under loss_parallel the loss is a replicated DTensor: every tp rank holds the value.
+            local += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+        return local
+
+    def replica_loss(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+    def grad_norm(self) -> float:
+        return grad_norm(self.model)
+
+
+class PipelineStep:
+    """pp > 1: one schedule step, then the dp gradient average unless FSDP did it; returns the last stage's loss."""
+
+    def __init__(self, runtime: pipeline.PipelineRuntime, stack: nn.Module, average_over: dist.ProcessGroup | None,
+                 pp_group: dist.ProcessGroup, device: torch.device) -> None:
+        self.runtime, self.params_module, self.average_over = runtime, stack, average_over
+        self.pp_group, self.device = pp_group, device
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> float | None:
+        with hooks.schedule(self.runtime.stages):
+            loss = pipeline.pipeline_step(self.runtime, inputs, targets)  # float on the last stage, else None
+        if self.average_over is not None:
+            with hooks.part("all_reduce", nbytes=_grad_bytes(self.params_module)):
+                average_gradients(self.params_module, self.average_over)
+        return loss
+
+    def replica_loss(self, loss: float | None) -> torch.Tensor:
+        """Reporting only: the replica's loss from its last stage to every pp rank (float64)."""
+        return pipeline.share_loss(loss, self.pp_group, self.device)
+
+    def grad_norm(self) -> float:
+        """This rank's stages, then summed in squares over the pipeline."""
+        sq = torch.tensor(grad_norm(self.params_module) ** 2, dtype=torch.float64, device=self.device)
+        dist.all_reduce(sq, group=self.pp_group)
+        return sq.item() ** 0.5
+
+
+def train_loop(step_fn: FlatStep | PipelineStep, optimizer, data: SyntheticTokens, *, steps: int,
+               global_batch: int, dp_rank: int, dp: int, dp_group: dist.ProcessGroup, hooks: StepHooks,
+               record_grad_norm: bool = True) -> tuple[list[float], list[float], list[float]]:
+    """Run ``steps`` optimizer steps on this rank's dp shard; returns (global mean losses, step seconds, grad norms)."""
+    losses, times, norms = [], [], []
+    for step in range(steps):
+        inputs, targets = data.global_batch(step, global_batch)  # (B, T) each
+        inputs, targets = shard_batch(inputs, targets, dp_rank, dp)  # (B/dp, T)
+        hooks.begin(step)  # tracing: clocks aligned, ranks met
+        start = time.perf_counter()
+        with hooks.whole_step():
+            loss = step_fn(inputs, targets, hooks)
+            with hooks.part("optimizer"):
+                optimizer.step()
+        hooks.at_rest()
+        if record_grad_norm:  # step() leaves .grad alone; here it is outside the meter
+            norms.append(step_fn.grad_norm())
+        optimizer.zero_grad(set_to_none=not hooks.keeps_gradients)
+        times.append(time.perf_counter() - start)
+        # Reporting only: forward all_reduce(SUM) of the replicas' losses over dp, then / dp.
+        replica_loss = step_fn.replica_loss(loss)
+        dist.all_reduce(replica_loss, group=dp_group)
+        losses.append(replica_loss.item() / dp)
+    return losses, times, norms
+
+
+def grad_norm(model: nn.Module) -> float:
+    """The L2 norm of the whole (dp-averaged) gradient, as one process would compute it.
+
+    Sums of squares are taken on local shards and all-reduced once per (mesh, sharded mesh dims)
+    group, not once per parameter: ``torch.nn.utils.get_total_norm`` cannot stack norms from the
+    different meshes FSDP x TP leaves (dp-only for norms, (dp, tp) for the rest), and a
+    ``full_tensor()`` per parameter costs a collective each. Replicated dims are not summed (every
+    rank there holds the same values); a Partial gradient is reduced first, as squares of a sum
+    are not sums of squares. Plain gradients are whole (DDP) or the same on every tp rank.
+    """
+    total, groups = 0.0, {}
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            total += float(g.double().pow(2).sum())
+            continue
+        if any(pl.is_partial() for pl in g.placements):
+            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+        dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
+        key = (g.device_mesh, dims)
+        groups[key] = groups.get(key, 0.0) + g.to_local().double().pow(2).sum()
+    # Every rank of a group holds the same modules, so each meets the groups in the same order.
+    for (mesh, dims), squares in groups.items():
+        for d in dims:
+            dist.all_reduce(squares, group=mesh.get_group(d))
+        total += float(squares)
+    return total ** 0.5
+
+
+def average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """all_reduce(SUM) each gradient over ``group``, then / its size (kernels.data_parallel_naive's way).
+
+    A TP DTensor gradient is reduced shard by shard: the dp ranks at one tp index
+    hold the same shard. Outside grad mode ``to_local()`` is the shard itself, so
+    the in-place all_reduce updates the DTensor.
+    """
+    n = dist.get_world_size(group)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=group)
+                grad /= n
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's local gradients: what ``average_gradients`` all-reduces."""
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in model.parameters())
+             if g is not None]
+    return sum(g.numel() * g.element_size() for g in grads)
