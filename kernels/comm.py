@@ -4,7 +4,7 @@ Algorithm: call-site metering of collectives, counted as nccl-tests counts them
 (NVIDIA nccl-tests, doc/PERFORMANCE.md): the *payload* of a call is the tensor it
 works on (all_reduce: the tensor; all_gather: the whole gathered output;
 reduce_scatter: the whole input; broadcast/send/recv: the tensor). The driver turns
-payload and time into algbw = payload / time and busbw = algbw * f (DESIGN §3,
+payload and time into algbw = payload / time and busbw = algbw * f (docs/design.md#bus-bandwidth,
 ``lab.plan_math.busbw_factor``); payload * f is also the bytes a ring sends per rank.
 
 Three ways in, one meter (``CommMeter``):

@@ -11,7 +11,7 @@ applied the way torchtitan applies them. Nothing is trained and nothing is alloc
   1,024-rank world, and every collective is a no-op that "succeeds";
 - the model (``kernels.llama``) is built on the ``meta`` device: tensors have shapes and
   dtypes but no storage, so a 405B model costs no memory;
-- on the (pp, dp, tp) DeviceMesh (tp fastest, DESIGN §3), in torchtitan's order:
+- on the (pp, dp, tp) DeviceMesh (tp fastest, docs/design.md#mesh-order), in torchtitan's order:
   PP keeps only this rank's blocks (``keep_layers``); TP shards q/k/v/gate/up
   column-wise (``Shard(0)``) and o/down row-wise (``Shard(1)``), the embedding over the
   vocab rows and the head over the vocab columns (the model's ``tp_plan``); FSDP2

@@ -1,4 +1,4 @@
-"""What one rank's training really holds in memory, by category (DESIGN §3 "Memory categories").
+"""What one rank's training really holds in memory, by category (docs/design.md#memory-categories).
 
 Algorithm: the memory accounting of the ZeRO paper (Rajbhandari et al., 2020, "ZeRO:
 Memory Optimizations Toward Training Trillion Parameter Models", §3): *model states*

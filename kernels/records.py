@@ -182,7 +182,7 @@ class ClockSync(Record):
 
 @dataclass(frozen=True)
 class BubbleReport(Record):
-    """Measured idle share of one pipeline step (DESIGN §3) beside the theory."""
+    """Measured idle share of one pipeline step (docs/design.md#bubble-ratio) beside the theory."""
 
     schedule: str
     pp: int
@@ -202,7 +202,7 @@ class BubbleReport(Record):
 
 @dataclass(frozen=True)
 class MemoryRecord(Record):
-    """One memory category of one rank at one moment, measured beside its predictions (DESIGN §3).
+    """One memory category of one rank at one moment, measured beside its predictions (docs/design.md#memory-categories).
 
     moment: "at_rest" (after optimizer.step, before zero_grad) | "peak_fwd_bwd" (forward
     done, backward not started). category: params | grads | optimizer | activations |
@@ -214,13 +214,13 @@ class MemoryRecord(Record):
     category: str
     measured: int | None  # None: not measurable here (cuda_max_allocated on CPU)
     predicted: float | None  # the exact rule: chunk/padding, ZeRO-1 greedy partition, step scalars
-    formula: float | None  # DESIGN §3's ZeRO reference for the dtypes held (fp32: 4Ψ, 4Ψ, K=8)
+    formula: float | None  # The ZeRO formula of docs/design.md#zero-formulas for the dtypes held (fp32: 4Ψ, 4Ψ, K=8)
     note: str = ""  # why predicted differs from formula (padding, partition, step scalars, TP)
 
 
 @dataclass(frozen=True)
 class CommRecord(Record):
-    """One collective type on one rank over one step, counted as nccl-tests counts it (DESIGN §3)."""
+    """One collective type on one rank over one step, counted as nccl-tests counts it (docs/design.md#bus-bandwidth)."""
 
     rank: int
     op: str  # all_reduce | all_gather | reduce_scatter | broadcast | all_to_all | send | recv
@@ -231,7 +231,7 @@ class CommRecord(Record):
     seconds: float  # summed time of the calls (each waited for at once)
     algbw: float  # payload_bytes / seconds, bytes/s
     busbw: float  # algbw × busbw factor, bytes/s
-    predicted_payload_bytes: float | None = None  # the analytic volume of DESIGN §3
+    predicted_payload_bytes: float | None = None  # the analytic volume of docs/design.md#communication-volume
     # "dist" (torch.distributed call) | "funcol" (DTensor functional collective) |
     # "pipeline" (a pipeline stage's boundary send, counted without its time)
     source: str = ""

@@ -3,7 +3,7 @@
 The bubble formulas of GPipe (Huang et al., 2019) and 1F1B (Narayanan et al., 2019,
 PipeDream; Megatron-LM) assume every stage takes the same time t for a forward and
 2t for a backward. A tiny CPU model is nothing like that: Python and p2p overhead
-per action dominate (DESIGN §4b "Real-compute bubbles"). In synthetic-cost mode
+per action dominate (docs/design.md#real-compute-bubbles). In synthetic-cost mode
 the real (tiny) compute still runs, so activations, gradients and the pipeline's
 p2p traffic stay valid, and then the action *sleeps until its target end*::
 

@@ -1,7 +1,7 @@
 """Measured pipeline timelines: per-rank action events on clocks aligned to rank 0.
 
-What is timed, and how (DESIGN §3 "Bubble ratio (measured)", §4b "Timing pipeline
-actions"):
+What is timed, and how (docs/design.md#bubble-ratio and
+docs/design.md#timing-pipeline-actions):
 
 - compute: each local ``PipelineStage`` instance gets wrappers on
   ``forward_one_chunk`` (F), ``backward_one_chunk(full_backward=True)`` (B, or I when
@@ -20,7 +20,7 @@ Clocks: ``time.perf_counter`` on CPU; on CUDA, events recorded on the current st
 and resolved after the step against a reference event taken right after a
 synchronize. Tracing off means ``instrument`` is never called: no wrappers, zero cost.
 
-Clock alignment uses timestamped barrier round trips (DESIGN §3): every rank stamps
+Clock alignment uses timestamped barrier round trips (docs/design.md#clock-alignment): every rank stamps
 its entry to and exit from a series of barriers, each rank in turn arriving last;
 since no rank leaves a barrier before the last has entered, the stamps bound each
 rank's offset to rank 0 from both sides, and half the bound's width is the reported
@@ -236,7 +236,7 @@ def _offset_bounds(mine: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]
 def align_clocks(rounds: int = 4, device: torch.device | str = "cpu") -> dict:
     """Every rank of the default group: this rank's offset to rank 0 and rank 0's epoch.
 
-    Timestamped barrier round trips (DESIGN §3 "Clock alignment"): ``rounds`` sweeps in
+    Timestamped barrier round trips (docs/design.md#clock-alignment): ``rounds`` sweeps in
     which each rank in turn enters the barrier last. The round where this rank is last
     pins the offset from below (it entered just before the release that rank 0 left
     just after), the round where rank 0 is last pins it from above, and the offset is

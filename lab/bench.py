@@ -2,7 +2,7 @@
 
 The ranks run ``kernels.comm_bench.bench_rank`` (nccl-tests' loop: warm-up, barrier,
 timed calls, slowest rank's time); here each point becomes a record with
-algbw = size / time and busbw = algbw × f, f the nccl-tests factor of DESIGN §3
+algbw = size / time and busbw = algbw × f, f the nccl-tests factor of docs/design.md#bus-bandwidth
 (``plan_math.busbw_factor``): all_reduce 2(n-1)/n, all_gather and reduce_scatter
 (n-1)/n, broadcast and send/recv 1. busbw is comparable across ops and world sizes:
 it is the bandwidth each link would need in a ring.

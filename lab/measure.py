@@ -5,7 +5,7 @@ the same probes on the run's last step) and return plain dicts; this module turn
 each into ``MemoryRecord``s and ``CommRecord``s with two predictions beside every
 measured value:
 
-- ``formula``: DESIGN §3's ZeRO reference (``plan_math.zero_memory``) for the dtypes
+- ``formula``: the ZeRO formula of docs/design.md#zero-formulas (``plan_math.zero_memory``) for the dtypes
   held. In fp32 the parameters are the master copy: params 4Ψ, grads 4Ψ, AdamW
   K = 8 (exp_avg + exp_avg_sq). ZeRO-2 holds whole parameters only from forward to
   backward, so *at rest* its parameters take the sharded term 4Ψ/N. TP divides Ψ by
@@ -22,7 +22,7 @@ measured value:
   * AdamW keeps one fp32 ``step`` scalar per parameter tensor (4 bytes each), which
     the formula leaves out (148 bytes for the tiny GPT's 37 tensors, <0.1%).
 
-Communication volume (DESIGN §3), as payload bytes per step: DDP all-reduce = the
+Communication volume (docs/design.md#communication-volume), as payload bytes per step: DDP all-reduce = the
 gradient bytes (DDP all-reduces flat buckets of all gradients); ZeRO-1 adds one
 broadcast of every parameter from its owner; FSDP all-gathers the padded parameters
 once in forward and again in backward under ZeRO-3, and reduce-scatters the padded
@@ -128,7 +128,7 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def formula_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """DESIGN §3's ZeRO reference in fp32 (4, 4, K=8), Ψ = all parameters / tp, N = dp."""
+    """The ZeRO formula of docs/design.md#zero-formulas in fp32 (4, 4, K=8), Ψ = all parameters / tp, N = dp."""
     dims, stage = record["dims"], _stage(record)
     psi = sum(math.prod(i["global_shape"]) for i in record["params"].values()) / dims["tp"]
     peak = zero_memory(psi, dims["dp"], stage, 4, 4, ADAM_K)
@@ -170,7 +170,7 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
 
 
 def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
-    """Analytic payload bytes per step by op (DESIGN §3 "Communication volume") for this rank.
+    """Analytic payload bytes per step by op (docs/design.md#communication-volume) for this rank.
 
     Keys are op names for the dp axis, "tp_<op>" for the tp axis (DTensor "funcol" rows) and
     "send" for stage-boundary p2p; tp and pp come from the planner's StagePlan for this rank.

@@ -2,7 +2,7 @@
 
 ``Parallel`` is a frozen dataclass in the spirit of torchtitan's ``ParallelDims``: it
 is passed explicitly, checks itself, and says what is wrong in words. The mesh
-order is ``(pp, dp, tp)`` with tp varying fastest (DESIGN §3).
+order is ``(pp, dp, tp)`` with tp varying fastest (docs/design.md#mesh-order).
 
 Two kinds of checks:
 

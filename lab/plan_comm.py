@@ -3,7 +3,7 @@
 Every entry is counted as nccl-tests counts it: ``payload_bytes`` is the tensor a call
 works on (the whole gathered tensor for all_gather, the whole input for
 reduce_scatter), and the bytes one rank puts on the wire are payload × the busbw
-factor (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1; DESIGN §3).
+factor (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1; docs/design.md#bus-bandwidth).
 
 What is counted, per iteration with M micro-batches per dp rank:
 
@@ -12,9 +12,9 @@ What is counted, per iteration with M micro-batches per dp rank:
   (the ZeRO paper's 2Ψ; torch's ZeroRedundancyOptimizer all-reduces instead, 3Ψ).
 - ZeRO-2 / FSDP grad_op: a parameter all-gather per micro-batch forward, and a
   gradient reduce-scatter per micro-batch, which keeps gradients sharded (the extra
-  reduce-scatters are why ZeRO-2 and PP mix badly, seeds/004 "ZeRO DP+PP+TP").
+  reduce-scatters are why ZeRO-2 and PP mix badly, Hugging Face's multi-GPU guide, "ZeRO DP+PP+TP").
 - ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward
-  (DESIGN §3: "all-gather twice plus reduce-scatter once").
+  (docs/design.md#communication-volume: all-gather twice plus reduce-scatter once).
 - FSDP hybrid: ZeRO-2/3 inside each of the dp_replicate shard groups of dp_shard ranks,
   plus an all-reduce of the gradient shard across the groups after each reduce-scatter.
 - tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP

@@ -2,10 +2,10 @@
 
 Sources: the ZeRO paper (Rajbhandari et al. 2020; its memory and traffic per stage),
 nccl-tests' bus bandwidth, Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021),
-Korthikanti et al. 2022 (activation recomputation), and the seeds in shared/seeds/,
+Korthikanti et al. 2022 (activation recomputation), and the sizing guides of docs/design.md#sources,
 whose worked examples the tests reproduce.
 
-Conventions, followed from the seeds: GB means 1e9 bytes ("70B × 2 bytes = 140GB"),
+Conventions, followed from the sizing guides: GB means 1e9 bytes ("70B × 2 bytes = 140GB"),
 and a GPU's "80GB" is 80e9 bytes. Bandwidths are in GB/s (1e9 bytes per second);
 ``gbps`` converts to the network's Gbit/s ("245GB/s = 1,960Gbps").
 Pure Python; no torch.
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 
-GB = 1e9  # the seeds' GB: 140GB = 70e9 params × 2 bytes
+GB = 1e9  # The sizing guides' GB: 140GB = 70e9 params × 2 bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# Optimizer-state bytes per parameter (DESIGN's K), by the training dtype.
+# Optimizer-state bytes per parameter (K of docs/design.md#zero-formulas), by the training dtype.
 # Mixed precision (bf16/fp16) keeps an fp32 master copy beside Adam's two fp32 moments:
-# K = 4 + 4 + 4 = 12 (ZeRO paper §3.1; DESIGN §3). In fp32 the parameters are the
-# master copy, so only the moments remain: K = 8. "adam_bf16" is the seeds/000
+# K = 4 + 4 + 4 = 12 (ZeRO paper §3.1; docs/design.md#zero-formulas). In fp32 the parameters are the
+# master copy, so only the moments remain: K = 8. "adam_bf16" is the Turing Inc. guide's
 # convention (momentum + variance in bf16, no master copy): K = 4, which gives its
 # "Optimizer States (Adam): 280GB" for 70B parameters.
 OPTIMIZER_BYTES = {
@@ -34,8 +34,8 @@ _OPT_ALIASES = {"adamw": "adam", "adambf16": "adam_bf16", "adamwbf16": "adam_bf1
                 "sgdmomentum": "sgd_momentum", "momentum": "sgd_momentum"}
 
 # Bytes of saved activations per token, per hidden unit, per layer, in 16-bit training:
-# "Activations ≈ batch_size × seq_length × hidden_size × num_layers × 16" (seeds/000,
-# FSDP §1, "an empirical value covering the attention and feed-forward intermediates").
+# "Activations ≈ batch_size × seq_length × hidden_size × num_layers × 16" (the Turing Inc. guide,
+# FSDP memory sizing, "an empirical value covering the attention and feed-forward intermediates").
 ACTIVATION_FACTOR = 16
 
 
@@ -61,7 +61,7 @@ def optimizer_bytes(optimizer: str | float, dtype: str = "bf16") -> float:
 
 def zero_memory(psi: float, n: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
                 opt_bytes: float = 12) -> tuple[float, float, float]:
-    """Per-rank (parameters, gradients, optimizer) bytes for ZeRO stage 0-3 (DESIGN §3).
+    """Per-rank (parameters, gradients, optimizer) bytes for ZeRO stage 0-3 (docs/design.md#zero-formulas).
 
     DDP (2+2+K)Ψ; ZeRO-1 (2+2+K/N)Ψ; ZeRO-2 (2+(2+K)/N)Ψ; ZeRO-3 (2+2+K)Ψ/N. ZeRO-2
     holds whole parameters during forward and backward, which is the peak counted here.
@@ -94,7 +94,7 @@ def busbw_factor(op: str, n: int) -> float:
 
 
 def activation_bytes(b: float, s: float, h: float, layers: float, elem_bytes: float = 2) -> float:
-    """The seeds' activation estimate b·s·h·L·16 bytes for 16-bit training (seeds/000).
+    """The sizing guides' activation estimate b·s·h·L·16 bytes for 16-bit training (the Turing Inc. guide).
 
     The 16 is for 16-bit tensors; fp32 doubles it (``elem_bytes=4``).
     """
@@ -109,22 +109,22 @@ def checkpointed_activation_bytes(b: float, s: float, h: float, layers: float,
 
 
 def tp_allreduce_bytes(b: float, s: float, h: float, elem_bytes: float = 2) -> float:
-    """Payload of one Megatron TP all-reduce: the block output b·s·h (seeds/000 TP §2:
+    """Payload of one Megatron TP all-reduce: the block output b·s·h (the Turing Inc. guide, TP bandwidth:
     "Hidden_size × Batch_size × Seq_length × 2 bytes" per layer)."""
     return b * s * h * elem_bytes
 
 
 def pp_p2p_bytes(b: float, s: float, h: float, elem_bytes: float = 2) -> float:
-    """Payload of one stage-boundary send: a micro-batch's activation b·s·h (seeds/000 PP §2)."""
+    """Payload of one stage-boundary send: a micro-batch's activation b·s·h (the Turing Inc. guide, PP bandwidth)."""
     return b * s * h * elem_bytes
 
 
 def fsdp_comm_bytes(param_bytes: float, n: int, reshard_after_forward: bool = True) -> dict[str, float]:
-    """Bytes each rank sends per FSDP pass, by collective (seeds/000 FSDP §2; DESIGN §3).
+    """Bytes each rank sends per FSDP pass, by collective (the Turing Inc. guide, FSDP bandwidth; docs/design.md#communication-volume).
 
     Forward all-gather and backward reduce-scatter send param_bytes·(n-1)/n each;
-    ``reshard_after_forward`` adds the backward all-gather (DESIGN's "all-gather twice
-    plus reduce-scatter once"). The seeds' 245GB for 70B on 8 GPUs counts only the first two.
+    ``reshard_after_forward`` adds the backward all-gather (docs/design.md#communication-volume: all-gather twice
+    plus reduce-scatter once). The sizing guides' 245GB for 70B on 8 GPUs counts only the first two.
     """
     one = param_bytes * busbw_factor("all_gather", n)
     out = {"all_gather_fwd": one, "reduce_scatter_bwd": one}
@@ -135,9 +135,9 @@ def fsdp_comm_bytes(param_bytes: float, n: int, reshard_after_forward: bool = Tr
 
 def tp_size_for_memory(params_grads_bytes: float, gpu_mem_bytes: float, act_bytes: float,
                        gpus_per_node: int, max_tp: int = 8) -> tuple[float, int]:
-    """The seeds' TP sizing: TP ≥ (Parameters + Gradients) / (GPU_memory − Activations),
+    """The Turing Inc. guide's TP sizing: TP ≥ (Parameters + Gradients) / (GPU_memory − Activations),
     rounded up to a divisor of the node's GPU count, at most min(max_tp, gpus_per_node)
-    (seeds/000 TP §3). Returns (the raw ratio, the TP size); the size is capped, so check
+    (the Turing Inc. guide, TP sizing). Returns (the raw ratio, the TP size); the size is capped, so check
     the ratio against it to know whether TP alone suffices."""
     room = gpu_mem_bytes - act_bytes
     if room <= 0:
@@ -149,7 +149,7 @@ def tp_size_for_memory(params_grads_bytes: float, gpu_mem_bytes: float, act_byte
 
 
 def required_bandwidth(wire_bytes: float, seconds: float) -> float:
-    """GB/s needed to move ``wire_bytes`` in ``seconds`` ("245GB / 1s = 245GB/s", seeds/000)."""
+    """GB/s needed to move ``wire_bytes`` in ``seconds`` ("245GB / 1s = 245GB/s", the Turing Inc. guide)."""
     if seconds <= 0:
         raise ValueError(f"target time must be positive, got {seconds}")
     return wire_bytes / seconds / GB

@@ -1,6 +1,6 @@
 """Where each parallel group lands: the (pp, dp, tp) mesh on nodes, and the layout fields.
 
-Mesh order is ``(pp, dp, tp)`` with tp fastest (DESIGN §3): global rank
+Mesh order is ``(pp, dp, tp)`` with tp fastest (docs/design.md#mesh-order): global rank
 ``(pp_i * dp + dp_i) * tp + tp_i``, and rank r sits on node ``r // gpus_per_node``. A
 group is "intra" when every group of that axis stays inside one node, and "inter"
 when any of them crosses nodes (the slowest group sets the pace of a collective).
@@ -49,7 +49,7 @@ class Layout:
         return self.dp // self.dp_replicate
 
     def describe(self) -> str:
-        """e.g. "TP8×PP16×DP8 ZeRO-1" (the seeds' way of naming a layout)."""
+        """e.g. "TP8×PP16×DP8 ZeRO-1" (the sizing guides' way of naming a layout)."""
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
         shard = f"FSDP {self.fsdp_strategy}" if self.fsdp_strategy else f"ZeRO-{self.zero}"
         text = "×".join(p for p in parts if not p.endswith("P1") or p == "DP1") + " " + shard

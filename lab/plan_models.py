@@ -2,9 +2,10 @@
 
 Each preset carries two parameter counts:
 
-- ``params``: the round figure in the model's name (70e9 for Llama-3 70B). The seeds
-  size everything with it ("70B × 2 bytes = 140GB", seeds/000 §FSDP; "1.5B × 16 = 24GB",
-  seeds/001 §4.2.6), so the planner does too, and its figures match theirs.
+- ``params``: the round figure in the model's name (70e9 for Llama-3 70B). The sizing guides
+  (docs/design.md#sources) size everything with it ("70B × 2 bytes = 140GB", the Turing Inc. guide,
+  FSDP section; "1.5B × 16 = 24GB", the multi-GPU textbook chapter, §4.2.6), so the planner does
+  too, and its figures match theirs.
 - ``shape_params``: the count from the real shape (70.55e9 for Llama-3 70B), for
   whoever wants the exact figure: pass ``custom_model(..., params=None)`` or
   ``model.exact()``.
@@ -16,7 +17,7 @@ is known by its parameter count only; activation and TP/PP traffic need a shape.
 ``ModelSpec.from_gpt(cfg)`` describes the lab's own GPT (``kernels.model.GPTConfig`` or
 its dict) with ``per_tensor=True``: the planner then sizes every rank tensor by tensor
 (``gpt_tensors``: which weights TP splits and on which dim, which it replicates, and
-which pipeline stage holds them) instead of the seeds' even Ψ/(tp·pp).
+which pipeline stage holds them) instead of the sizing guides' even Ψ/(tp·pp).
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -175,11 +176,13 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": ModelSpec("llama3-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=8192, **_LLAMA),
     "llama3.1-405b": ModelSpec("llama3.1-405b", 405e9, 126, 16384, 128, 8, 53248, seq_len=8192,
                                **_LLAMA),
-    # Llama-2 70B is the seeds/003 table's 70B row; same blocks as Llama-3 70B, 32k vocab, 4k context.
+    # Llama-2 70B is the 70B row of the model table in the Rust tutorial's distributed chapter; same
+    # blocks as Llama-3 70B, 32k vocab, 4k context.
     "llama2-70b": ModelSpec("llama2-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=4096,
                             **{**_LLAMA, "vocab": 32000}),
     "bert-base": ModelSpec("bert-base", 110e6, 12, 768, 12, None, 3072, 30522, seq_len=512),
-    # seeds/003 lists ResNet-50 at 25M parameters (the real count is 25.6M); no transformer shape.
+    # The Rust tutorial's distributed chapter lists ResNet-50 at 25M parameters (the real count is
+    # 25.6M); no transformer shape.
     "resnet-50": ModelSpec("resnet-50", 25e6),
 }
 

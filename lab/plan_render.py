@@ -1,6 +1,6 @@
 """Text and HTML views of a Plan and of recommend()'s candidates (pure functions of them).
 
-GB here is 1e9 bytes, as in the seeds. Pure Python; no torch.
+GB here is 1e9 bytes, as in the sizing guides (docs/design.md#sources). Pure Python; no torch.
 """
 from __future__ import annotations
 

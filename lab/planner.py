@@ -2,12 +2,13 @@
 
 ``plan(model="llama3-70b", gpus=32, gpus_per_node=8, gpu_mem_gb=80, parallel=...)``
 returns a frozen ``Plan``. With no ``parallel``, the layout is ``recommend()``'s best.
-The formulas live in ``lab.plan_math`` and follow DESIGN §3 and the seeds
-(shared/seeds/000, §FSDP/TP/PP): parameters, gradients and optimizer states shard by
-TP and PP, then by the dp axis as ZeRO says; activations are the seeds' b·s·h·L·16
-bytes per micro-batch, times the micro-batches a schedule keeps in flight (GPipe M,
-1F1B P), and are not split by TP unless sequence parallelism is on (seeds/000 TP §1:
-"Activations はシャーディングされない"). GB is 1e9 bytes, as in the seeds.
+The formulas live in ``lab.plan_math`` and follow docs/design.md (#zero-formulas,
+#communication-volume) and the FSDP, TP and PP sections of the Turing Inc. guide
+(docs/design.md#sources): parameters, gradients and optimizer states shard by TP and PP, then by the
+dp axis as ZeRO says; activations are the Turing Inc. guide's b·s·h·L·16 bytes per micro-batch,
+times the micro-batches a schedule keeps in flight (GPipe M, 1F1B P), and are not split by TP unless
+sequence parallelism is on (the Turing Inc. guide, TP memory estimate: "Activations are not
+sharded"). GB is 1e9 bytes, as in the sizing guides.
 
 Every pipeline rank is sized (``Plan.stages``, one ``StagePlan`` per pp rank, by
 ``lab.plan_stages``); ``Plan.memory`` and the dp/tp part of ``Plan.comm`` are the
@@ -115,11 +116,11 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     ``parallel``: a ``lab.parallel.Parallel``, any object with its attributes, or a dict
     (dp may be left out of a dict: it is gpus / (tp·pp)); None asks ``recommend()``.
     ``intra_bw``/``inter_bw``: GB/s per GPU inside a node and between nodes (defaults:
-    the seeds' NVLink 900GB/s and EFA 3,200Gbps = 400GB/s). ``schedule`` and
+    the sizing guides' NVLink 900GB/s and EFA 3,200Gbps = 400GB/s). ``schedule`` and
     ``activation_checkpointing`` default to the parallel object's, else "1f1b" and off.
-    ``optimizer``: "adam" (K=12, DESIGN §3), "adam_bf16" (K=4, the seeds/000 convention),
+    ``optimizer``: "adam" (K=12, docs/design.md#zero-formulas), "adam_bf16" (K=4, the Turing Inc. guide's convention),
     "sgd", "sgd_momentum", or K itself. ``activations_gb`` replaces the activation
-    estimate (the seeds' TP example assumes 20GB). Raises ValueError when dp·tp·pp ≠ gpus.
+    estimate (the sizing guides' TP example assumes 20GB). Raises ValueError when dp·tp·pp ≠ gpus.
     """
     spec = get_model(model)
     if parallel is None:
@@ -215,13 +216,13 @@ def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_p
         out.append(f"TP across nodes: tp={lay.tp} with {gpus_per_node} GPUs per node puts every "
                    "block's all-reduces on the inter-node link; keep TP inside a node")
     if lay.tp > 8:
-        out.append(f"tp={lay.tp} > 8: the seeds take TP=8 as the practical ceiling")
+        out.append(f"tp={lay.tp} > 8: the sizing guides take TP=8 as the practical ceiling")
     if lay.pp > 1 and m < lay.pp:
         out.append(f"M={m} < P={lay.pp}: 1F1B needs at least as many micro-batches as stages")
     elif lay.pp > 1 and m < 4 * lay.pp:
         bubble, _ = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
         share = f"bubble {bubble:.1%}" if bubble is not None else "a large bubble"
-        out.append(f"M={m} < 4P={4 * lay.pp}: {share}; the seeds advise M >= 4P")
+        out.append(f"M={m} < 4P={4 * lay.pp}: {share}; the sizing guides advise M >= 4P")
     if spec.heads is not None and spec.heads % lay.tp:
         out.append(f"heads={spec.heads} not divisible by tp={lay.tp}")
     if spec.layers is not None and spec.layers % lay.num_stages:
@@ -241,7 +242,7 @@ def _notes(lay: Layout, gpus_per_node: int) -> list[str]:
                    + ("stay inside a node" if inside else "cross nodes: pass dp_replicate to shard inside a node"))
     if lay.zero in (2, 3) and lay.pp > 1:
         out.append(f"ZeRO-{lay.zero} with PP all-gathers/reduce-scatters per micro-batch "
-                   "(seeds/004: ZeRO-1 is the usual choice with PP)")
+                   "(Hugging Face's multi-GPU guide: ZeRO-1 is the usual choice with PP)")
     return out
 
 

@@ -1,7 +1,7 @@
 """The rank map: which engine becomes which rank, on which device, with which backend.
 
 Pure functions over ``EngineInfo`` records (no I/O, no torch), so the driver can check a
-world before any process group exists. The rule (DESIGN.md section 3):
+world before any process group exists. The rule (docs/design.md#rank-map):
 
 * engines are grouped by host, hosts ordered by the lowest engine id on each, and ranks
   are numbered host by host; inside a host local_rank is 0..k-1 in engine-id order;

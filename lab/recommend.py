@@ -1,21 +1,22 @@
-"""Rank parallel layouts for a model on a cluster, the way the seeds size them.
+"""Rank parallel layouts for a model on a cluster, the way the sizing guides (docs/design.md#sources) size them.
 
-The procedure (seeds/000 "設定決定のガイドライン", seeds/002 "Config 探索のコツ",
-seeds/004 "Scalability Strategy"):
+The procedure (the Turing Inc. guide, "Guidelines for choosing a configuration";
+Fujii's distributed-training talk, "Tips for searching configurations";
+Hugging Face's multi-GPU guide, "Scalability Strategy"):
 
 1. every candidate must fit the GPU's memory;
 2. TP stays inside a node and at most 8 (a divisor of the node's GPU count that
    divides the heads);
-3. DP grows as far as memory allows ("まず DP を上限まで伸ばし");
+3. DP grows as far as memory allows ("first grow DP as far as it goes");
 4. PP is added only when needed, with M >= 4P micro-batches per iteration;
    among equal DP, fewer stages (less bubble) rank first, so TP is preferred to PP.
 
 FSDP's hybrid strategy shards inside a node and replicates across nodes (its
 ``dp_replicate`` is chosen so). The dp axis is sharded as ``zero`` says, ZeRO-1 by default: it is the sharding under
-which the seeds' TP rule "TP ≥ (Parameters + Gradients) / (GPU_memory − Activations)"
+which the Turing Inc. guide's TP rule "TP ≥ (Parameters + Gradients) / (GPU_memory − Activations)"
 holds (parameters and gradients whole per replica, optimizer states sharded), and the
-one seeds/004 pairs with PP. With ``zero=3`` nearly every model fits as pure FSDP, so
-the ranking then returns FSDP over every GPU, which the seeds avoid for traffic reasons.
+one that Hugging Face's multi-GPU guide pairs with PP. With ``zero=3`` nearly every model fits as
+pure FSDP, so the ranking then returns FSDP over every GPU, which the sizing guides avoid for traffic reasons.
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -108,7 +109,7 @@ def node_shard(dp: int, tp: int, gpus_per_node: int) -> int:
 
 def _microbatches(pp: int, dp: int, global_batch: int | None, micro_batch: int | None,
                   microbatches: int | None) -> int | None:
-    """M for a candidate: given, or from the global batch, or 4P (seeds/000: M ≥ 4 × P)."""
+    """M for a candidate: given, or from the global batch, or 4P (the Turing Inc. guide: M ≥ 4 × P)."""
     if microbatches is not None:
         return microbatches
     if global_batch is not None:
@@ -157,13 +158,13 @@ def recommend(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpu
               **plan_kwargs: Any) -> Recommendation:
     """Ranked candidate layouts, best first, each with its reason.
 
-    ``dp`` fixes the data-parallel size, as the seeds' formula
+    ``dp`` fixes the data-parallel size, as the Turing Inc. guide's formula
     "PP_stages = ceil(Total_GPUs / (TP_size × DP_size))" takes it as given (their
     1024-GPU 405B example keeps DP=8). ``zero``/``fsdp_strategy`` shard the dp axis.
     Without a global batch, M = 4P. ``activation_checkpointing=None`` tries without it
-    first and turns it on only when nothing fits (seeds/002: "activation-checkpoint を
-    有効化して、TP, PP が減らせないか確かめる"). Other keywords (seq_len, dtype, optimizer,
-    schedule, intra_bw, inter_bw, target_iter_s, activations_gb) go to ``plan()``. When
+    first and turns it on only when nothing fits (Fujii's distributed-training talk: "turn on
+    activation checkpointing and check whether TP and PP can be reduced"). Other keywords (seq_len,
+    dtype, optimizer, schedule, intra_bw, inter_bw, target_iter_s, activations_gb) go to ``plan()``. When
     nothing fits, the smallest layouts are returned with a warning.
     """
     spec = get_model(model)

@@ -2,7 +2,7 @@
 
 The views (``timeline``, ``memory``, ``comm``, ``sharding`` and the ``plot_*`` figures)
 are pure functions of these fields, so a ``RunResult`` read back from JSON shows
-exactly what the live one showed (DESIGN §2 "Views").
+exactly what the live one showed (docs/design.md#records-and-views).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ _COLUMNS = (("rank", "rank", "{}"), ("op", "op", "{}"), ("source", "source", "{}
 class CommTable(list):
     """CommRecord dicts (a plain list) that print as a table: payload bytes beside the analytic volume.
 
-    ``ms`` is the summed time of the calls; busbw = payload / time × the nccl-tests factor (DESIGN §3).
+    ``ms`` is the summed time of the calls; busbw = payload / time × the nccl-tests factor (docs/design.md#bus-bandwidth).
     """
 
     def _cells(self) -> list[list[str]]:

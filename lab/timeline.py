@@ -2,13 +2,13 @@
 
 Pure functions of records (no torch, no ranks), so a saved run replays the same.
 
-- ``bubble(events)``: DESIGN §3 "Bubble ratio (measured)". For rank r,
+- ``bubble(events)``: docs/design.md#bubble-ratio. For rank r,
   ``idle_r = 1 - busy_r / makespan``; ``busy_r`` sums r's compute actions (F, B/I, W);
   the makespan runs from the first compute start to the last compute end over all
   ranks, on clocks aligned to rank 0. Mean and per-rank values, beside the closed form
   of ``kernels.layout_rules.bubble_theory``.
 - ``planned_order``: our own compute order for GPipe and 1F1B (torch 2.8-2.13's
-  ``pipeline_order`` is wrong for these, DESIGN §4b). Multi-stage schedules use the
+  ``pipeline_order`` is wrong for these, docs/design.md#planned-pipeline-order). Multi-stage schedules use the
   order torch plans, which the rank function returns as ``record["planned"]``;
   ``planned_orders`` picks one or the other for every rank of a run.
 - ``simulate``: when each action starts if it waits only for its rank and its data

@@ -1,4 +1,4 @@
-"""Measured pipeline bubbles match theory in synthetic-cost mode (DESIGN §3, issue "Measured, not drawn").
+"""Measured pipeline bubbles match theory in synthetic-cost mode (docs/design.md#bubble-ratio, issue "Measured, not drawn").
 
 Four spawned gloo ranks (no ipyparallel) trace a step of the real training loop
 (``tests.spawned_ranks.traced_pipeline_rank``: ``kernels.train.train_rank`` with trace on)

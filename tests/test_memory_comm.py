@@ -102,7 +102,7 @@ def test_ddp_all_reduce_bytes_per_step_equal_the_gradient_bytes(measured):
         ar = ops["all_reduce"]
         # DDP all-reduces flat buckets of the gradients: no padding on CPU, at most 1% allowed.
         assert 4 * PSI <= ar.payload_bytes <= 4 * PSI * 1.01 and ar.predicted_payload_bytes == 4 * PSI
-        assert ar.wire_bytes == pytest.approx(2 * 4 * PSI * 3 / 4)  # DESIGN: 2Ψ(n-1)/n, in fp32 bytes
+        assert ar.wire_bytes == pytest.approx(2 * 4 * PSI * 3 / 4)  # docs/design.md#communication-volume: 2Ψ(n-1)/n, in fp32 bytes
         assert ar.busbw == pytest.approx(ar.algbw * 1.5) and ar.busbw > 0
 
 

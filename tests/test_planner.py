@@ -1,14 +1,14 @@
-"""The analytic planner reproduces the seeds' worked examples and DESIGN §3's formulas.
+"""The analytic planner reproduces the sizing guides' worked examples and the formulas of docs/design.md.
 
-Seed files (shared/seeds/):
-- 000_cfe7efb4de17ae0a.txt: the zenn article on FSDP / TP / PP infrastructure sizing
-  ("seeds/000" below, with its section headings);
-- 001_c5c953423a35f3c8.txt: the book chapter 4.2 (ZeRO, GPT-2 1.5B at 16 bytes/param);
-- 002_0d369b11c1ef121c.txt: the W&B talk (maximise DP first, then TP/PP);
-- 003_aae2aa4a04369853.txt: chapter 14 (the model table in §14.1);
-- 004_5cb270d6e3b4fd24.txt: the Hugging Face multi-GPU guide (TP inside a node, ZeRO-1 with PP).
+Sources (described in docs/design.md#sources):
+- the Turing Inc. guide: Turing Inc.'s article on FSDP / TP / PP infrastructure sizing
+  (its section headings are named below);
+- the multi-GPU textbook chapter: a textbook's §4.2 (ZeRO, GPT-2 1.5B at 16 bytes/param);
+- Fujii's distributed-training talk: the W&B Meetup talk (maximise DP first, then TP/PP);
+- the Rust tutorial's distributed chapter: its chapter 14 (the model table in §14.1);
+- Hugging Face's multi-GPU guide: TP inside a node, ZeRO-1 with PP.
 
-Conventions followed from the seeds: GB = 1e9 bytes, and presets are sized by the
+Conventions followed from the sizing guides: GB = 1e9 bytes, and presets are sized by the
 nominal parameter count in their name (70e9 for Llama-3 70B, not the shape's 70.55e9).
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ def model_states(p) -> float:
     return p.memory.params + p.memory.grads + p.memory.optimizer
 
 
-# --- seeds/000 §"FSDP の動作原理 / メモリ削減のメカニズム" ------------------------------------
+# --- the Turing Inc. guide, "How FSDP works / how it reduces memory" ------------------------------------
 
 def test_ddp_llama3_70b_holds_560gb_per_gpu_with_bf16_adam_states():
-    # seeds/000: Parameters 140GB + Gradients 140GB + Optimizer States (Adam) 280GB = 560GB/GPU.
-    # The seed keeps Adam's momentum + variance in bf16 (4 bytes/param): optimizer="adam_bf16".
+    # The Turing Inc. guide: Parameters 140GB + Gradients 140GB + Optimizer States (Adam) 280GB = 560GB/GPU.
+    # The guide keeps Adam's momentum + variance in bf16 (4 bytes/param): optimizer="adam_bf16".
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8, "zero": 0}, optimizer="adam_bf16")
     assert (p.memory.params, p.memory.grads, p.memory.optimizer) == (140e9, 140e9, 280e9)
     assert model_states(p) == 560e9
@@ -47,26 +47,26 @@ def test_ddp_llama3_70b_holds_560gb_per_gpu_with_bf16_adam_states():
 
 @pytest.mark.parametrize("parallel", [{"dp": 8, "zero": 3}, {"dp": 8, "fsdp_strategy": "full"}])
 def test_fsdp_over_8_gpus_holds_70gb_split_17_5_17_5_35(parallel):
-    # seeds/000: FSDP with 8 GPUs: 17.5GB + 17.5GB + 35GB = 70GB/GPU.
+    # The Turing Inc. guide: FSDP with 8 GPUs: 17.5GB + 17.5GB + 35GB = 70GB/GPU.
     p = plan(LLAMA70, gpus=8, parallel=parallel, optimizer="adam_bf16")
     assert (p.memory.params, p.memory.grads, p.memory.optimizer) == (17.5e9, 17.5e9, 35e9)
     assert model_states(p) == 70e9
 
 
 def test_ddp_with_mixed_precision_adam_holds_16_bytes_per_parameter():
-    # DESIGN §3: mixed-precision Adam holds 2+2+12 bytes/param, so DDP needs 16Ψ = 1120GB.
+    # docs/design.md#zero-formulas: mixed-precision Adam holds 2+2+12 bytes/param, so DDP needs 16Ψ = 1120GB.
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8}, optimizer="adam")
     assert model_states(p) == 1120e9
 
 
-# --- seeds/000 §"FSDP のインフラストラクチャ要件 2. ネットワーク帯域幅の要件" -----------------------
+# --- the Turing Inc. guide, "FSDP infrastructure requirements, 2. network bandwidth" -----------------------
 
 def test_fsdp_forward_allgather_plus_backward_reducescatter_is_245gb_per_iteration():
-    # seeds/000: 140GB × 7/8 = 122.5GB all-gather + 122.5GB reduce-scatter = 245GB/iteration.
+    # The Turing Inc. guide: 140GB × 7/8 = 122.5GB all-gather + 122.5GB reduce-scatter = 245GB/iteration.
     parts = fsdp_comm_bytes(140e9, 8, reshard_after_forward=False)
     assert parts == {"all_gather_fwd": 122.5e9, "reduce_scatter_bwd": 122.5e9}
     assert sum(parts.values()) == 245e9
-    # The seed's pair is FSDP with reshard_after_forward=False, i.e. grad_op.
+    # The guide's pair is FSDP with reshard_after_forward=False, i.e. grad_op.
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8, "fsdp_strategy": "grad_op"})
     assert p.comm_bytes(axis="dp") == pytest.approx(245e9)
     assert p.comm_bytes(op="all_gather") == pytest.approx(122.5e9)
@@ -74,14 +74,15 @@ def test_fsdp_forward_allgather_plus_backward_reducescatter_is_245gb_per_iterati
 
 
 def test_full_shard_adds_the_backward_allgather_as_design_says():
-    # DESIGN §3: ZeRO-3/FSDP = all-gather twice plus reduce-scatter once: 367.5GB here.
+    # docs/design.md#communication-volume: ZeRO-3/FSDP = all-gather twice plus reduce-scatter once:
+    # 367.5GB here.
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8, "fsdp_strategy": "full"})
     assert p.comm_bytes(axis="dp") == pytest.approx(3 * 122.5e9)
     assert p.comm_bytes(op="all_gather", phase="bwd") == pytest.approx(122.5e9)
 
 
 def test_245gb_in_one_second_needs_245gbps_which_is_1960_gbit():
-    # seeds/000: iteration time 1s -> 245GB/s = 1,960Gbps.
+    # The Turing Inc. guide: iteration time 1s -> 245GB/s = 1,960Gbps.
     assert required_bandwidth(245e9, 1.0) == 245.0
     assert gbps(245.0) == 1960.0
     p = plan(LLAMA70, gpus=8, gpus_per_node=1, parallel={"dp": 8, "fsdp_strategy": "grad_op"},
@@ -90,20 +91,20 @@ def test_245gb_in_one_second_needs_245gbps_which_is_1960_gbit():
     assert p.link("inter").time_s == pytest.approx(245.0 / 400.0)  # 400GB/s = EFA's 3,200Gbps
 
 
-# --- seeds/000 §"Tensor Parallel のインフラストラクチャ要件" -------------------------------------
+# --- the Turing Inc. guide, "Tensor Parallel infrastructure requirements" -------------------------------------
 
 def test_tp_allreduce_is_536mb_per_layer_and_42_9gb_over_80_layers():
-    # seeds/000: 8192 × 8 × 4096 × 2 bytes = 536MB per layer; 536MB × 80 = 42.9GB/iteration.
+    # The Turing Inc. guide: 8192 × 8 × 4096 × 2 bytes = 536MB per layer; 536MB × 80 = 42.9GB/iteration.
     per_layer = tp_allreduce_bytes(b=8, s=4096, h=8192)
     assert per_layer == 8192 * 8 * 4096 * 2
-    assert int(per_layer / MB) == 536  # the seed truncates 536.87MB
-    assert round(int(per_layer / MB) * 80 / 1000, 1) == 42.9  # the seed's own rounding
+    assert int(per_layer / MB) == 536  # The guide truncates 536.87MB
+    assert round(int(per_layer / MB) * 80 / 1000, 1) == 42.9  # The guide's own rounding
     assert per_layer * 80 / GB == pytest.approx(42.9, abs=0.06)
 
 
-def test_plan_counts_megatrons_four_tp_allreduces_per_layer_each_the_seeds_size():
-    # Megatron all-reduces twice per block forward and twice backward, each of the seed's
-    # 536MB, so the seed's per-layer figure is one of four calls.
+def test_plan_counts_megatrons_four_tp_allreduces_per_layer_each_the_guides_size():
+    # Megatron all-reduces twice per block forward and twice backward, each of the guide's
+    # 536MB, so the guide's per-layer figure is one of four calls.
     p = plan(LLAMA70, gpus=8, parallel={"tp": 8}, global_batch=8, seq_len=4096)
     fwd = [e for e in p.comm if e.axis == "tp" and e.phase == "fwd"]
     assert len(fwd) == 1 and fwd[0].count == 2 * 80
@@ -113,13 +114,14 @@ def test_plan_counts_megatrons_four_tp_allreduces_per_layer_each_the_seeds_size(
 
 
 def test_tp_shards_parameters_and_gradients_to_17_5gb():
-    # seeds/000 TP §1: Llama 3 70B at TP=8: Parameters 140GB / 8 = 17.5GB, Gradients 17.5GB.
+    # The Turing Inc. guide, TP memory estimate: Llama 3 70B at TP=8: Parameters 140GB / 8 = 17.5GB,
+    # Gradients 17.5GB.
     p = plan(LLAMA70, gpus=8, parallel={"tp": 8}, optimizer="adam_bf16")
     assert (p.memory.params, p.memory.grads) == (17.5e9, 17.5e9)
 
 
 def test_tp_size_rule_gives_4_67_rounded_up_to_8():
-    # seeds/000 TP §3: TP_size >= 280GB / (80GB - 20GB) = 4.67 -> 8 GPU.
+    # The Turing Inc. guide, TP sizing: TP_size >= 280GB / (80GB - 20GB) = 4.67 -> 8 GPU.
     ratio, tp = tp_size_for_memory(280e9, 80e9, 20e9, gpus_per_node=8)
     assert round(ratio, 2) == 4.67
     assert tp == 8
@@ -127,10 +129,10 @@ def test_tp_size_rule_gives_4_67_rounded_up_to_8():
     assert tp_size_for_memory(280e9, 80e9, 20e9, gpus_per_node=4) == (pytest.approx(4.667, abs=1e-3), 4)
 
 
-# --- seeds/000 §"Pipeline Parallel" -----------------------------------------------------------
+# --- the Turing Inc. guide, "Pipeline Parallel" -----------------------------------------------------------
 
 def test_pp_sends_67mb_per_microbatch_and_536mb_per_iteration():
-    # seeds/000 PP §2: 8192 × 1 × 4096 × 2 bytes = 67MB; 67MB × 8 = 536MB/iteration.
+    # The Turing Inc. guide, PP bandwidth: 8192 × 1 × 4096 × 2 bytes = 67MB; 67MB × 8 = 536MB/iteration.
     assert int(pp_p2p_bytes(1, 4096, 8192) / MB) == 67
     p = plan(LLAMA70, gpus=4, parallel={"pp": 4}, global_batch=8, microbatches=8, seq_len=4096)
     fwd = [e for e in p.comm if e.axis == "pp" and e.phase == "fwd"]
@@ -140,7 +142,7 @@ def test_pp_sends_67mb_per_microbatch_and_536mb_per_iteration():
 
 
 def test_bubble_for_p4_m8_is_27_3_percent():
-    # seeds/000 PP §1: Bubble ≈ 3 / 11 = 27.3%.
+    # The Turing Inc. guide, PP memory estimate: Bubble ≈ 3 / 11 = 27.3%.
     assert round(bubble_theory("1f1b", 4, 8)[0], 3) == 0.273
     p = plan(LLAMA70, gpus=4, parallel={"pp": 4}, microbatches=8)
     assert p.bubble == pytest.approx(3 / 11)
@@ -159,25 +161,26 @@ def test_schedules_without_a_closed_form_bubble_say_so():
     assert (p.bubble, p.bubble_megatron) == (None, None) and "no closed form" in str(p)
 
 
-def test_m_below_4p_warns_as_the_seed_advises():
-    # seeds/000 PP §3: M >= 4 × P (P=4 -> M >= 16).
+def test_m_below_4p_warns_as_the_guide_advises():
+    # The Turing Inc. guide, PP sizing and schedule: M >= 4 × P (P=4 -> M >= 16).
     short = plan(LLAMA70, gpus=4, parallel={"pp": 4}, microbatches=8, seq_len=1024)
     ok = plan(LLAMA70, gpus=4, parallel={"pp": 4}, microbatches=16, seq_len=1024)
     assert any("M=8 < 4P=16" in w for w in short.warnings)
     assert not any("4P" in w for w in ok.warnings)
 
 
-# --- activations: seeds/000 FSDP §1 and PP §1 -------------------------------------------------
+# --- activations: the Turing Inc. guide, FSDP memory sizing and PP memory estimate -------------------------------------------------
 
 def test_activation_estimate_is_b_s_h_l_16_bytes():
-    # seeds/000: Activations ≈ batch_size × seq_length × hidden_size × num_layers × 16.
+    # The Turing Inc. guide: Activations ≈ batch_size × seq_length × hidden_size × num_layers × 16.
     assert activation_bytes(1, 4096, 8192, 80) == 4096 * 8192 * 80 * 16
     p = plan(LLAMA70, gpus=8, parallel={"dp": 8}, micro_batch=2, seq_len=4096)
     assert p.memory.activations == 2 * 4096 * 8192 * 80 * 16
 
 
 def test_gpipe_keeps_m_microbatches_and_1f1b_keeps_p():
-    # seeds/000 PP §1: Activations = Activations_per_microbatch × M (GPipe); 1F1B holds P.
+    # The Turing Inc. guide, PP memory estimate: Activations = Activations_per_microbatch × M
+    # (GPipe); 1F1B holds P.
     per_mb_stage = activation_bytes(1, 1024, 8192, 20)  # 80 layers over 4 stages
     kw = dict(gpus=4, microbatches=16, seq_len=1024)
     gpipe = plan(LLAMA70, parallel={"pp": 4, "schedule": "gpipe"}, **kw)
@@ -188,7 +191,7 @@ def test_gpipe_keeps_m_microbatches_and_1f1b_keeps_p():
 
 
 def test_tp_leaves_activations_whole_unless_sequence_parallel():
-    # seeds/000 TP §1: "Activations はシャーディングされない".
+    # The Turing Inc. guide, TP memory estimate: "Activations are not sharded".
     whole = plan(LLAMA70, gpus=8, parallel={"tp": 8}, seq_len=2048)
     sp = plan(LLAMA70, gpus=8, parallel={"tp": 8, "sequence_parallel": True}, seq_len=2048)
     assert whole.memory.activations == activation_bytes(1, 2048, 8192, 80)
@@ -202,23 +205,24 @@ def test_activation_checkpointing_keeps_block_inputs_only():
                                                      activation_checkpointing=True).comm)
 
 
-# --- seeds/000 §"2D / 3D Parallel" and the guideline; seeds/002 -------------------------------
+# --- the Turing Inc. guide, "2D / 3D Parallel" and the guideline; Fujii's distributed-training talk -------------------------------
 
 def test_recommend_puts_70b_on_32_gpus_as_tp8_dp4():
-    # seeds/000 2D: 32 GPU (8-GPU nodes × 4), Llama 3 70B: TP=8 inside a node, DP=4 across nodes.
-    # Inputs as the seed assumes them: bf16 Adam states, 20GB of activations (TP §3).
+    # The Turing Inc. guide, 2D example: 32 GPU (8-GPU nodes × 4), Llama 3 70B: TP=8 inside a node,
+    # DP=4 across nodes. Inputs as the guide assumes them: bf16 Adam states, 20GB of activations (TP §3).
     rec = recommend(LLAMA70, 32, 8, 80, optimizer="adam_bf16", activations_gb=20)
     assert rec.best.parallel["tp"] == 8 and rec.best.parallel["pp"] == 1 and rec.best.parallel["dp"] == 4
     assert "most data parallelism" in rec.best.reason
-    # And DESIGN §1's one-liner, with the estimate in place of the 20GB (needs checkpointing).
+    # And the README's one-line lab.plan(...) example, with the estimate in place of the 20GB (needs
+    # checkpointing).
     p = plan(model=LLAMA70, gpus=32, gpus_per_node=8, gpu_mem_gb=80)
     assert (p.layout.tp, p.layout.pp, p.layout.dp) == (8, 1, 4) and p.fits
     assert p.layout.activation_checkpointing
 
 
 def test_recommend_reproduces_the_1024_gpu_405b_layout_with_dp_fixed_at_8():
-    # seeds/000 3D: 1024 GPU (8-GPU nodes × 128), Llama 3.1 405B: TP=8, PP=16, DP=8. The seed
-    # takes DP=8 as given ("PP_stages = ceil(Total_GPUs / (TP_size × DP_size))").
+    # The Turing Inc. guide, 3D example: 1024 GPU (8-GPU nodes × 128), Llama 3.1 405B: TP=8, PP=16,
+    # DP=8. The guide takes DP=8 as given ("PP_stages = ceil(Total_GPUs / (TP_size × DP_size))").
     rec = recommend("Llama-3.1-405B", 1024, 8, 80, dp=8, optimizer="adam_bf16", activations_gb=20)
     assert (rec.best.layout.tp, rec.best.layout.pp, rec.best.layout.dp) == (8, 16, 8)
     assert rec.best.plan.microbatches >= 4 * 16
@@ -226,7 +230,7 @@ def test_recommend_reproduces_the_1024_gpu_405b_layout_with_dp_fixed_at_8():
 
 
 def test_recommend_without_fixed_dp_puts_405b_on_tp8_pp4_and_grows_dp():
-    # seeds/000 "Amazon EC2 UltraClusters" table: 405B -> TP 8, PP 4 (DP grows with the GPUs).
+    # The Turing Inc. guide, "Amazon EC2 UltraClusters" table: 405B -> TP 8, PP 4 (DP grows with the GPUs).
     rec = recommend("llama3.1-405b", 1024, 8, 80, seq_len=4096, activation_checkpointing=True)
     assert (rec.best.layout.tp, rec.best.layout.pp, rec.best.layout.dp) == (8, 4, 32)
     assert all(c.plan.fits for c in rec)
@@ -242,15 +246,15 @@ def test_recommend_keeps_tp_inside_the_node_and_at_most_8():
 
 
 def test_recommend_7b_class_model_is_pure_data_parallel():
-    # seeds/000 table: 7B-13B -> TP 1, PP 1, DP 8-16.
+    # The Turing Inc. guide's table: 7B-13B -> TP 1, PP 1, DP 8-16.
     rec = recommend("llama3-8b", 16, 8, 80, seq_len=4096)
     assert (rec.best.layout.tp, rec.best.layout.pp, rec.best.layout.dp) == (1, 1, 16)
 
 
-# --- seeds/003 §14.1 table and seeds/001 §4.2.6 -----------------------------------------------
+# --- the Rust tutorial's distributed chapter, §14.1 table and the multi-GPU textbook chapter, §4.2.6 -----------------------------------------------
 
 @pytest.mark.parametrize("name, fp32_gb, train_gb", [
-    ("gpt2-1.5b", 6, 24),  # seeds/001: 1.5B GPT-2 with Adam needs 16 × params = 24GB
+    ("gpt2-1.5b", 6, 24),  # The multi-GPU textbook chapter: 1.5B GPT-2 with Adam needs 16 × params = 24GB
     ("gpt3-175b", 700, 2800),
     ("llama2-70b", 280, 1120),
 ])
@@ -262,7 +266,7 @@ def test_model_table_training_memory_is_16_bytes_per_parameter(name, fp32_gb, tr
 
 @pytest.mark.parametrize("name, fp32_mb", [("resnet-50", 100), ("bert-base", 440)])
 def test_model_table_fp32_size_is_4_bytes_per_parameter(name, fp32_mb):
-    # seeds/003: ResNet-50 25M -> 100MB, BERT-Base 110M -> 440MB in FP32.
+    # The Rust tutorial's distributed chapter: ResNet-50 25M -> 100MB, BERT-Base 110M -> 440MB in FP32.
     assert get_model(name).params * 4 / MB == pytest.approx(fp32_mb)
 
 
@@ -297,7 +301,7 @@ def test_custom_model_by_shape_count_or_dict_and_count_only_plans_warn():
     assert p.memory.activations == 0 and any("parameter count only" in w for w in p.warnings)
 
 
-# --- DESIGN §3: ZeRO reference, bus bandwidth, communication volume ---------------------------
+# --- docs/design.md: ZeRO formulas, bus bandwidth, communication volume ---------------------------
 
 @pytest.mark.parametrize("psi, n, k", [(70e9, 8, 12), (1.5e9, 64, 12), (1e6, 3, 4)])
 def test_zero_stage_memory_follows_the_zero_paper_formulas(psi, n, k):
@@ -314,7 +318,7 @@ def test_plan_memory_follows_the_zero_reference(stage, factor):
 
 
 def test_fp32_training_holds_16_bytes_per_parameter():
-    # DESIGN §3: in fp32 the parameters are the master copy: 4 + 4 + 8 (Adam moments).
+    # docs/design.md#zero-formulas: in fp32 the parameters are the master copy: 4 + 4 + 8 (Adam moments).
     assert optimizer_bytes("adam", "fp32") == 8
     p = plan("gpt2-1.5b", gpus=1, parallel={"dp": 1}, dtype="fp32")
     assert model_states(p) == pytest.approx(16 * 1.5e9)
@@ -328,7 +332,7 @@ def test_busbw_factors_are_those_of_nccl_tests(op, n, factor):
 
 
 def test_ddp_allreduce_sends_2_psi_n_minus_1_over_n():
-    # DESIGN §3: DDP all-reduce volume 2Ψ(n-1)/n elements (bf16: 2 bytes each).
+    # docs/design.md#communication-volume: DDP all-reduce volume 2Ψ(n-1)/n elements (bf16: 2 bytes each).
     p = plan("gpt2-1.5b", gpus=4, parallel={"dp": 4, "zero": 0})
     assert p.comm_bytes(op="all_reduce") == pytest.approx(2 * 1.5e9 * 2 * 3 / 4)
     assert set(p.comm_by_op()) == {"all_reduce"}
@@ -356,7 +360,7 @@ def test_layout_that_does_not_fit_warns():
 
 
 def test_hybrid_shards_inside_nodes_and_replicates_across():
-    # seeds/000: HYBRID_SHARD = FSDP inside a node, DDP across nodes (8-GPU nodes × 4).
+    # The Turing Inc. guide: HYBRID_SHARD = FSDP inside a node, DDP across nodes (8-GPU nodes × 4).
     p = plan(LLAMA70, gpus=32, parallel={"dp": 32, "fsdp_strategy": "hybrid"}, optimizer="adam_bf16")
     assert model_states(p) == pytest.approx(560e9 / 8)
     shard = [e for e in p.comm if e.axis == "dp_shard"]

@@ -1,4 +1,4 @@
-"""The planner modules keep DESIGN §5's rules and stay free of torch (pure analytic code)."""
+"""The planner modules keep the rules of docs/design.md#house-style and stay free of torch (pure analytic code)."""
 from __future__ import annotations
 
 import ast

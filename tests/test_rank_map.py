@@ -1,4 +1,4 @@
-"""Rank map rules (DESIGN.md section 3): host order, local ranks, GPU binding, backend choice."""
+"""Rank map rules (docs/design.md#rank-map): host order, local ranks, GPU binding, backend choice."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""MemoryView: what each rank holds, by category, measured beside predicted (DESIGN §3 "Memory categories").
+"""MemoryView: what each rank holds, by category, measured beside predicted (docs/design.md#memory-categories).
 
 Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
@@ -8,7 +8,7 @@ category counts as ``other``). On GPU, ``other`` also takes what
 
 One ``.cl-mem-rank`` per rank: a measured bar of ``.cl-mem-seg[data-category]`` segments
 beside a ``.cl-mem-predicted`` bar (the exact rule; activations have no prediction) and a
-``.cl-mem-formula`` tick at DESIGN §3's ZeRO reference. ``moment`` picks the moment.
+``.cl-mem-formula`` tick at the ZeRO formula of docs/design.md#zero-formulas. ``moment`` picks the moment.
 """
 from __future__ import annotations
 

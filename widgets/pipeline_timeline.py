@@ -5,7 +5,7 @@ Inputs (``kernels.records`` records, or their ``to_dict()`` dicts, checked by ``
 - ``events``: ``TraceEvent`` records in seconds on clocks aligned to rank 0, or the rank
   trace records ``{"events": [...], ...}`` that hold them. One step is shown (the
   bubble's, else the last).
-- ``bubble``: a ``BubbleReport``, shown unchanged (DESIGN §3: per-rank idle, mean,
+- ``bubble``: a ``BubbleReport``, shown unchanged (docs/design.md#bubble-ratio: per-rank idle, mean,
   theory ``(p-1)/(m+p-1)`` and Megatron's ``(p-1)/m``; synthetic or real compute).
 - ``planned``: ``{rank: [[stage, "F"|"B"|"I"|"W", microbatch], ...]}`` (``lab.timeline.planned_order``
   for GPipe/1F1B, torch's ``record["planned"]`` otherwise), laid out with the measured

@@ -21,7 +21,7 @@ bf16, gradients are reduced in fp32 into fp32 sharded master weights.
 CPU offload (``CPUOffloadPolicy``): sharded parameters, gradients and optimizer
 state live on the CPU; each unit copies to the device before its all-gather.
 
-DESIGN §4b: gloo's AVG reduction was broken before torch 2.13 (#162338), so on gloo
+docs/design.md#gloo-avg-reduction: gloo's AVG reduction was broken before torch 2.13 (#162338), so on gloo
 we ask FSDP for SUM plus an explicit divide (``set_force_sum_reduction_for_comms``).
 
 Run alone (ZeRO-3 on 4 ranks, and 2D TP x FSDP)::

@@ -58,7 +58,7 @@ class ParallelDims:
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
-    """The (pp, dp, tp) mesh over ranks 0..dims.world_size-1; pass "cpu" explicitly on CPU (FSDP2 + gloo, DESIGN §4b).
+    """The (pp, dp, tp) mesh over ranks 0..dims.world_size-1; pass "cpu" explicitly on CPU (FSDP2 + gloo, docs/design.md#fsdp2-on-cpu).
 
     Every rank of the process group must call it (group creation is collective); a
     rank beyond ``dims.world_size`` gets a mesh with ``get_coordinate() is None``.

@@ -93,7 +93,7 @@ function render({ model, el }) {
       if (b.formula_total) {
         const f = h("div", "cl-mem-formula");
         f.style.bottom = `${(100 * b.formula_total) / scale}%`;
-        f.title = `ZeRO formula (DESIGN §3): ${bytes(b.formula_total)}`;
+        f.title = `ZeRO formula (docs/design.md#zero-formulas): ${bytes(b.formula_total)}`;
         area.appendChild(f);
       }
       const cuda = b.cuda_max_allocated === null ? "" : ` · cuda max ${bytes(b.cuda_max_allocated)}`;
