@@ -21,17 +21,15 @@ PERF_RENDERS = 3
 
 RANK_CELLS = [
     ("import warnings\nimport lab\nfrom kernels.collectives import run_collectives\n"
-     "from tests.spawned_ranks import traced_pipeline_rank\nfrom lab.measure import measure_layout\n"
-     "from lab.timeline import bubble_from_records, planned_order\n"
-     "from widgets import CollectiveView, MemoryView, PipelineTimeline, ShardingView\n"
+     "from lab.measure import measure_layout\n"
+     "from widgets import CollectiveView, MemoryView, ShardingView\n"
      "warnings.simplefilter('ignore', lab.OversubscribedWarning)  # 4 ranks on a 2-core machine\n"
      "cluster = lab.start(n=4, backend='gloo', timeout=120)"),
     (f"PP, M = {PP}, {MICROBATCHES}\n"
-     f"traced = cluster.run(traced_pipeline_rank, {{'schedule': '1f1b', 'pp': PP, 'microbatches': M, "
-     f"'synthetic_forward_s': {T_FORWARD}}})\n"
-     "report = bubble_from_records(traced)\n"
-     "planned = {r: [list(a) for a in planned_order('1f1b', PP, M, r)] for r in range(PP)}\n"
-     "timeline = PipelineTimeline(traced, report, planned)\ntimeline"),
+     "traced = lab.Experiment(cluster, lab.GPT(layers=PP, d_model=16, heads=2, vocab=32, seq_len=8),\n"
+     "                        lab.Parallel(pp=PP, schedule='1f1b', microbatches=M), global_batch=M, steps=2,\n"
+     f"                        trace=True, synthetic_forward_s={T_FORWARD}).run()\n"
+     "timeline = traced.timeline()\ntimeline"),
     ("exp = lab.Experiment(cluster, lab.GPT(layers=2, d_model=16, heads=2, vocab=32, seq_len=8),\n"
      "                     lab.Parallel(dp=4, zero=3), global_batch=8, steps=1)\n"
      "result = exp.run()\nShardingView(result.layout)"),
