@@ -40,6 +40,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from kernels import layout_rules
+from kernels.model import Block, split_heads
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
         # Under TP these are this rank's heads/tp query and kv_heads/tp key/value heads.
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        q = split_heads(self.q(x), self.head_dim)  # (B, h, T, hd)
+        k, v = split_heads(self.k(x), self.head_dim), split_heads(self.v(x), self.head_dim)  # (B, kv, T, hd)
         if self.use_rope:
             q, k = rope(q, self.theta), rope(k, self.theta)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, hd)
@@ -129,26 +129,14 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, ffn[/tp]) -> (B, T, C)
 
 
-class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.attn_norm, self.attn = _norm(cfg), Attention(cfg)
-        self.mlp_norm, self.mlp = _norm(cfg), MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))  # (B, T, C)
-        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
-
-
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.learned_pos else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(_norm(cfg), Attention(cfg), _norm(cfg), MLP(cfg))
+                                     for i in range(cfg.layers)})
         self.norm: nn.Module | None = _norm(cfg)
         # Tied: no head module; forward reuses tok_emb.weight (one copy of the vocab matrix).
         self.lm_head: nn.Linear | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden, cfg.vocab,

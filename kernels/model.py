@@ -70,6 +70,12 @@ class GPTConfig:
         return self.d_model // self.heads
 
 
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, n*hd) -> (B, n, T, hd): a projection's output as n heads (n = its width / head_dim)."""
+    B, T, _ = x.shape
+    return x.view(B, T, -1, head_dim).transpose(1, 2)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -84,9 +90,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape  # (B, T, C)
         # Under TP the projections give this rank's heads only: (B, T, C/tp), so the
         # head count comes from the output width, not from the config.
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))  # (B, h, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h*hd)
         return self.out(y)  # (B, T, C)
@@ -104,14 +108,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    The model chooses the four parts (GPT: LayerNorm and GELU MLP; Llama: RMSNorm and SwiGLU);
+    they are built in this order by the caller, so a seeded initialisation stays the same.
+    """
+
+    def __init__(self, attn_norm: nn.Module, attn: nn.Module, mlp_norm: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.attn_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.mlp_norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))  # (B, T, C)
@@ -124,7 +129,9 @@ class GPT(nn.Module):
         self.config = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(nn.LayerNorm(cfg.d_model, bias=cfg.bias), CausalSelfAttention(cfg),
+                                                   nn.LayerNorm(cfg.d_model, bias=cfg.bias), MLP(cfg))
+                                     for i in range(cfg.layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 

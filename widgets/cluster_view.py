@@ -13,6 +13,7 @@ import anywidget
 import traitlets
 
 from kernels.records import RankStatus
+from widgets._esm import view_module
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 STATES = ("idle", "busy", "failed", "dead")
@@ -40,7 +41,7 @@ def _summary(ranks: list[dict[str, Any]]) -> str:
 class ClusterView(anywidget.AnyWidget):
     """A grid of rank cards: ``.cl-rank`` per rank with ``data-state``; red when failed or dead."""
 
-    _esm = _STATIC / "cluster_view.js"
+    _esm = view_module("cluster_view.js")
     _css = _STATIC / "cluster_view.css"
 
     ranks = traitlets.List().tag(sync=True)  # _cluster_state(...) rows

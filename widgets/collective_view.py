@@ -14,6 +14,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from widgets._esm import view_module
 from widgets._ring import _cells_at, _collective_view, _flat
 
 _STATIC = pathlib.Path(__file__).parent / "static"
@@ -22,7 +23,7 @@ _STATIC = pathlib.Path(__file__).parent / "static"
 class CollectiveView(anywidget.AnyWidget):
     """Play/step through all_reduce, all_gather, reduce_scatter, broadcast and send/recv."""
 
-    _esm = _STATIC / "collective_view.js"
+    _esm = view_module("collective_view.js")
     _css = _STATIC / "collective_view.css"
 
     records = traitlets.List().tag(sync=True)  # CollectiveRecord dicts, one flat list

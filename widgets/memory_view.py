@@ -12,15 +12,14 @@ beside a ``.cl-mem-predicted`` bar (the exact rule; activations have no predicti
 """
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import anywidget
 import traitlets
 
 from kernels.records import MemoryRecord
+from widgets._esm import view_module
 
-_STATIC = pathlib.Path(__file__).parent / "static"
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations",
           "other": "other"}
@@ -74,7 +73,7 @@ def _memory_state(records: Any) -> dict[str, Any]:
 class MemoryView(anywidget.AnyWidget):
     """Stacked bars per rank for one moment (``.cl-mem-moment`` buttons switch), measured beside predicted."""
 
-    _esm = _STATIC / "memory_view.js"
+    _esm = view_module("memory_view.js")
 
     ranks = traitlets.List().tag(sync=True)
     moments = traitlets.List().tag(sync=True)  # present in the records, at_rest first

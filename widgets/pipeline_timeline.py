@@ -24,16 +24,17 @@ from typing import Any
 import anywidget
 import traitlets
 
-_STATIC = pathlib.Path(__file__).parent / "static"
-
+from widgets._esm import view_module
 from widgets._timeline import COLORS, KINDS, _timeline_state
+
+_STATIC = pathlib.Path(__file__).parent / "static"
 
 
 class PipelineTimeline(anywidget.AnyWidget):
     """Lanes of F/B/I/W boxes per rank (``.cl-lane`` / ``.cl-box``), p2p and collectives (``.cl-comm``),
     a play/scrub replay in event order, the bubble beside theory and a planned-order overlay."""
 
-    _esm = _STATIC / "pipeline_timeline.js"
+    _esm = view_module("pipeline_timeline.js")
     _css = _STATIC / "pipeline_timeline.css"
 
     ranks = traitlets.List().tag(sync=True)  # lane order

@@ -17,6 +17,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from widgets._esm import view_module
 from widgets._layout import _sharding_view
 
 _STATIC = pathlib.Path(__file__).parent / "static"
@@ -26,7 +27,7 @@ LAYERS = ("params", "grads", "optim")
 class ShardingView(anywidget.AnyWidget):
     """Per-rank rows of tensor slices for one built layout; set a new layout to animate the change."""
 
-    _esm = _STATIC / "sharding_view.js"
+    _esm = view_module("sharding_view.js")
     _css = _STATIC / "sharding_view.css"
 
     strategy = traitlets.Unicode("").tag(sync=True)

@@ -1,13 +1,6 @@
 // ClusterView: one `.cl-rank` card per rank (data-state), grouped in `.cl-host` boxes.
 // Reads `ranks` and `summary`; redraws on change (update() on the Python side).
 
-function h(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
 function card(r) {
   const c = h("div", "cl-rank");
   c.dataset.rank = r.rank;

@@ -1,13 +1,6 @@
 // CollectiveView: the ring twin of each real collective, one frame per step.
 // Reads `ops`, `op`, `frame`, `interval_ms`; writes `op` and `frame`.
 
-function h(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
 const fmt = (v) => (Number.isInteger(v) ? String(v) : v.toPrecision(4));
 
 function frameLabel(f) {

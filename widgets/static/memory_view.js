@@ -23,13 +23,6 @@ const CSS = `
 .cl-mem-total { font-size: 10px; color: #555; text-align: center; }
 `;
 
-function h(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
 function bytes(v) {
   if (v === null || v === undefined) return "n/a";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];

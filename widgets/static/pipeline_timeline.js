@@ -7,13 +7,6 @@
 
 const LABEL = { F: "forward", B: "backward (full)", I: "backward, input grad", W: "backward, weight grad" };
 
-function h(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
 const pct = (v, span) => `${(100 * v) / span}%`;
 const f3 = (v) => (v === null || v === undefined ? "n/a" : Number(v).toFixed(3));
 const ms = (v) => `${Number(v).toFixed(3)} ms`;

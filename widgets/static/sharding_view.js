@@ -6,13 +6,6 @@
 
 const LAYERS = [["params", "parameters"], ["grads", "gradients"], ["optim", "optimizer state"]];
 
-function h(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
 // Mirrors widgets/sharding_view.py::_layer_extents.
 function layerExtents(row, layer, phase) {
   if (layer === "optim") return row.optim;
