@@ -1,10 +1,12 @@
 """The lab against torchrun, on the same layouts, measured in one run on this machine.
 
-For PP2×DP2 and TP2×DP2 (4 CPU ranks, gloo, 1 thread per rank in both):
+For PP2×DP2 and TP2×DP2 (4 CPU ranks, gloo):
 
 1. Steady-state step time: median over steps (after warm-up) of the slowest rank's
    step time, through ``lab.Experiment.run`` on a warm pool vs the same
-   ``kernels.train`` under ``torchrun`` (goal: lab ≤ 1.05×).
+   ``kernels.train`` under ``torchrun`` (goal: lab ≤ 1.05×), twice: each tool with its
+   own thread default (the lab's ``threads_per_rank``, torchrun's ``OMP_NUM_THREADS``),
+   and both with cores // 4 threads per rank (the same run again where that is 1).
 2. Time from "new Parallel settings" to "first step done": a one-step
    ``Experiment.run`` on the warm pool vs a fresh ``torchrun`` launch of the same
    one-step job, process start to exit (goal: the lab at least 10× faster).
@@ -38,19 +40,35 @@ def steady_step(step_times: list[list[float]]) -> float:
     return statistics.median(per_step)
 
 
-def run_torchrun(exp: lab.Experiment) -> tuple[float, list[list[float]]]:
-    """Launch torchrun on the experiment's exact config; return (wall seconds, per-rank step times)."""
+def run_torchrun(exp: lab.Experiment, threads: int | None = None) -> tuple[float, list[list[float]]]:
+    """Launch torchrun on the experiment's exact config; return (wall seconds, per-rank step times).
+
+    ``threads`` sets OMP_NUM_THREADS; None leaves torchrun's own default (it sets 1 per process).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(exp.config()))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(exp.parallel.world_size), str(JOB), str(config), str(Path(tmp) / "records")]
         began = time.perf_counter()
-        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        subprocess.run(command, check=True, env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - began
         ranks = sorted(Path(tmp).glob("records.rank*.json"), key=lambda p: int(p.stem.split("rank")[-1]))
         return wall, [json.loads(p.read_text())["step_times"] for p in ranks]
+
+
+def compare_steady(cluster: lab.Cluster, steps: int, label: str, torchrun_threads: int | None) -> None:
+    """Print the lab's and torchrun's steady step for each layout, torchrun with ``torchrun_threads``."""
+    for name, parallel in LAYOUTS.items():
+        exp = lab.Experiment(cluster, MODEL, parallel, global_batch=GLOBAL_BATCH, steps=steps)
+        lab_step = steady_step(exp.run().step_times)
+        raw_step = steady_step(run_torchrun(exp, torchrun_threads)[1])
+        print(f"{name} steady step, {label}: lab {lab_step * 1e3:.2f} ms, torchrun {raw_step * 1e3:.2f} ms, "
+              f"ratio {lab_step / raw_step:.2f}x (goal <= 1.05x)")
 
 
 def main() -> None:
@@ -58,14 +76,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    equal = max(1, (os.cpu_count() or 1) // 4)
+    if equal > 1:
+        with lab.start(n=4, backend="gloo", threads_per_rank=equal, activate=False) as cluster:
+            compare_steady(cluster, args.steps, f"equal threads ({equal} per rank)", equal)
     with lab.start(n=4, backend="gloo", activate=False) as cluster:
-        for name, parallel in LAYOUTS.items():
-            exp = lab.Experiment(cluster, MODEL, parallel, global_batch=GLOBAL_BATCH, steps=args.steps)
-            lab_step = steady_step(exp.run().step_times)
-            _, torchrun_times = run_torchrun(exp)
-            raw_step = steady_step(torchrun_times)
-            print(f"{name} steady step: lab {lab_step * 1e3:.2f} ms, torchrun {raw_step * 1e3:.2f} ms, "
-                  f"ratio {lab_step / raw_step:.2f}x (goal <= 1.05x)")
+        compare_steady(cluster, args.steps, f"defaults (lab {cluster.threads}, torchrun its own)", None)
+        if equal == 1:
+            print(f"equal threads: {os.cpu_count()} cores // 4 ranks = 1 per rank, the defaults' run above")
         for name, parallel in LAYOUTS.items():
             # The settings really change: the pool last ran the other layout.
             previous = next(p for n, p in LAYOUTS.items() if n != name)

@@ -57,7 +57,7 @@ class WorldKeeper:
             warnings.warn(f"{busiest} ranks share {cores} CPU cores on one host: ranks will time-share the "
                           "cores, so measured times include waiting; use 1 thread per rank and small models",
                           OversubscribedWarning, stacklevel=5)
-        return self._threads_request or max(1, cores // busiest)
+        return self._threads_request or 1  # torchrun's default too; see lab.pool.start
 
     def _form_world(self) -> None:
         """(Re)build the process group on every rank over a fresh store, then bind names for %%px."""
