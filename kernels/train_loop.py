@@ -61,8 +61,8 @@ class FlatStep:
     def replica_loss(self, local: torch.Tensor) -> torch.Tensor:
         return local
 
-    def grad_norm(self) -> float:
-        return grad_norm(self.model)
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.model, self.device)
 
 
 class PipelineStep:
@@ -85,11 +85,11 @@ class PipelineStep:
         """Reporting only: the replica's loss from its last stage to every pp rank (float64)."""
         return pipeline.share_loss(loss, self.pp_group, self.device)
 
-    def grad_norm(self) -> float:
-        """This rank's stages, then summed in squares over the pipeline."""
-        sq = torch.tensor(grad_norm(self.params_module) ** 2, dtype=torch.float64, device=self.device)
+    def grad_norm(self) -> torch.Tensor:
+        """This rank's stages, then summed in squares over the pipeline (stays on the device)."""
+        sq = grad_norm(self.params_module, self.device) ** 2
         dist.all_reduce(sq, group=self.pp_group)
-        return sq.item() ** 0.5
+        return sq.sqrt()
 
 
 def train_loop(step_fn: FlatStep | PipelineStep, optimizer, data: SyntheticTokens, *, steps: int,
@@ -108,18 +108,18 @@ def train_loop(step_fn: FlatStep | PipelineStep, optimizer, data: SyntheticToken
                 optimizer.step()
         hooks.at_rest()
         if record_grad_norm:  # step() leaves .grad alone; here it is outside the meter
-            norms.append(step_fn.grad_norm())
+            norms.append(step_fn.grad_norm())  # a device scalar: read once, after the last step
         optimizer.zero_grad(set_to_none=not hooks.keeps_gradients)
         times.append(time.perf_counter() - start)
         # Reporting only: forward all_reduce(SUM) of the replicas' losses over dp, then / dp.
         replica_loss = step_fn.replica_loss(loss)
         dist.all_reduce(replica_loss, group=dp_group)
         losses.append(replica_loss.item() / dp)
-    return losses, times, norms
+    return losses, times, torch.stack(norms).tolist() if norms else []
 
 
-def grad_norm(model: nn.Module) -> float:
-    """The L2 norm of the whole (dp-averaged) gradient, as one process would compute it.
+def grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """The L2 norm of the whole (dp-averaged) gradient, as one process would compute it: a float64 scalar on ``device``.
 
     Sums of squares are taken on local shards and all-reduced once per (mesh, sharded mesh dims)
     group, not once per parameter: ``torch.nn.utils.get_total_norm`` cannot stack norms from the
@@ -127,14 +127,15 @@ def grad_norm(model: nn.Module) -> float:
     ``full_tensor()`` per parameter costs a collective each. Replicated dims are not summed (every
     rank there holds the same values); a Partial gradient is reduced first, as squares of a sum
     are not sums of squares. Plain gradients are whole (DDP) or the same on every tp rank.
+    The sums stay tensors, so the norm costs no host sync (a GPU rank keeps running ahead).
     """
-    total, groups = 0.0, {}
+    total, groups = torch.zeros((), dtype=torch.float64, device=device), {}
     for p in model.parameters():
         g = p.grad
         if g is None:
             continue
         if not isinstance(g, DTensor):
-            total += float(g.double().pow(2).sum())
+            total += g.detach().double().pow(2).sum().to(device)  # a CPU-offloaded gradient too
             continue
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
@@ -145,8 +146,8 @@ def grad_norm(model: nn.Module) -> float:
     for (mesh, dims), squares in groups.items():
         for d in dims:
             dist.all_reduce(squares, group=mesh.get_group(d))
-        total += float(squares)
-    return total ** 0.5
+        total += squares.to(device)
+    return total.sqrt()
 
 
 def average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
