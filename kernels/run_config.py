@@ -39,6 +39,7 @@ class RunConfig:
     activation_checkpointing: bool = False
     mixed_precision: str | None = None
     cpu_offload: bool = False
+    compile: bool = False  # torch.compile each block (kernels.parallel.compile_blocks)
     microbatches: int | None = None  # None: 1, or pp with a pipeline
     schedule: str = "1f1b"
     stages_per_rank: int | None = None  # None: kernels.layout_rules.default_stages_per_rank
@@ -106,6 +107,8 @@ def _validate(c: RunConfig) -> None:
     if c.fsdp_strategy is not None and c.fsdp_strategy not in layout_rules.FSDP_STRATEGY_ZERO:
         raise ValueError(f"RunConfig: fsdp_strategy must be None or one of "
                          f"{tuple(layout_rules.FSDP_STRATEGY_ZERO)}, got {c.fsdp_strategy!r}")
+    if not isinstance(c.compile, bool):
+        raise ValueError(f"RunConfig: compile must be True or False, got {c.compile!r}")
     if c.mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"RunConfig: mixed_precision must be None or 'bf16', got {c.mixed_precision!r}")
     layout_rules.canonical_schedule(c.schedule)

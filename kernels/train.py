@@ -59,7 +59,7 @@ def rank_layout(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy
         probe, zero=run.zero, fsdp_strategy=run.fsdp_strategy, dp_replicate=run.dp_replicate,
         sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
         activation_checkpointing=run.activation_checkpointing, mixed_precision=run.mixed_precision,
-        cpu_offload=run.cpu_offload, schedule=run.schedule if run.pp > 1 else None,
+        cpu_offload=run.cpu_offload, compile=run.compile, schedule=run.schedule if run.pp > 1 else None,
         stages_per_rank=run.stages_per_rank, microbatches=run.microbatches)
     return ParallelDims(dp=run.dp, tp=run.tp, pp=run.pp, world_size=world_size,
                         dp_replicate=strategy.dp_replicate), strategy

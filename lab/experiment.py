@@ -6,7 +6,7 @@ the world before anything runs (``Parallel.check``), then ``run()`` sends one
 every rank and gathers plain records. The same config trains in one process with
 ``reference()``, which is the ground truth.
 
-Measuring options (all off by default; then the ranks install nothing and the run
+Options (all off by default; then the ranks install nothing and the run
 costs what it did):
 
 - ``trace=True`` (pipeline layouts, pp > 1): the last step is traced on clocks
@@ -17,6 +17,8 @@ costs what it did):
 - ``synthetic_forward_s=t`` (needs trace): every action is padded to a fixed cost (F = t,
   B = 2t per rank share, ``kernels.synthetic``), so the bubble can be compared with
   theory. With real compute and more ranks than cores, the run's warnings say so.
+- ``compile=True``: every block runs through ``torch.compile`` on the ranks
+  (``kernels.parallel.compile_blocks``); the first step pays the compilation.
 - ``measure=True``: the last step is probed (``kernels.measure``): memory per category
   at rest and, without pp, between forward and backward; collectives per type. The
   driver sets each value beside its prediction (``lab.measure``).
@@ -54,7 +56,7 @@ class Experiment:
 
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
-                 synthetic_forward_s: float | None = None, measure: bool = False) -> None:
+                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False) -> None:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {optimizer!r} is not supported; choose one of {OPTIMIZERS}")
         if steps < 1 or global_batch < 1:
@@ -63,6 +65,7 @@ class Experiment:
         self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
+        self.compile = compile
         self.warnings = parallel.check(model, cluster.world_size, global_batch)
         for message in self.warnings:
             warnings.warn(message, LayoutWarning, stacklevel=2)
@@ -78,7 +81,7 @@ class Experiment:
             dp_replicate=p.dp_replicate, schedule=p.schedule, microbatches=p.num_microbatches,
             stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
             activation_checkpointing=p.activation_checkpointing, mixed_precision=p.mixed_precision,
-            cpu_offload=p.cpu_offload, return_params=return_params, trace=self.trace,
+            cpu_offload=p.cpu_offload, compile=self.compile, return_params=return_params, trace=self.trace,
             synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure)
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:

@@ -8,8 +8,8 @@ DDP: Li et al., 2020). The order is fixed, and each step needs the one before:
    on the tp axis, and must see the original submodules.
 2. Activation checkpointing wraps each block's forward, so a block's recompute in
    backward runs the TP collectives again, inside the block.
-3. Compilation would come here (after AC, so it sees the checkpointed blocks; before
-   FSDP, so FSDP's hooks stay outside the compiled graph). Nothing is compiled yet.
+3. Compilation (``compile=True``): each block with ``torch.compile``, after AC so the
+   graphs see the checkpointed blocks, before FSDP so FSDP's hooks stay outside them.
 4. Data parallelism last: FSDP2's ``fully_shard`` shards whatever parameters it finds
    (plain tensors, or TP DTensors, giving 2D (dp, tp) DTensors) and its hooks
    surround the recompute; or DDP wraps the model (ZeRO-1 too: its optimizer comes
@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.parallel.activation_checkpoint import apply_ac
+from kernels.parallel.compile_blocks import apply_compile
 from kernels.parallel.ddp import apply_ddp
 from kernels.parallel.fsdp import apply_fsdp
 from kernels.parallel.strategy import GradSync, Strategy
@@ -42,7 +43,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, dp_mesh:
         apply_tp(model, mesh["tp"], sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel)
     if strategy.activation_checkpointing:  # 2. AC: per block, inside FSDP's units
         apply_ac(model)
-    # 3. torch.compile would go here, per block.
+    if strategy.compile:  # 3. torch.compile, per block
+        apply_compile(model)
     if strategy.grad_sync is GradSync.FSDP:  # 4a. FSDP on the dp axis (2D with TP)
         apply_fsdp(model, dp_mesh if dp_mesh is not None else mesh["dp"], zero_stage=strategy.zero,
                    hybrid=strategy.hybrid, mixed_precision=strategy.mixed_precision, cpu_offload=strategy.cpu_offload)

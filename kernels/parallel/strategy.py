@@ -52,6 +52,7 @@ class Strategy:
     activation_checkpointing: bool = False
     mixed_precision: str | None = None  # "bf16": FSDP2's MixedPrecisionPolicy
     cpu_offload: bool = False
+    compile: bool = False  # torch.compile each block
     schedule: str | None = None  # pipeline schedule (pp > 1)
     stages_per_rank: int = 1
     microbatches: int = 1
@@ -67,8 +68,8 @@ class Strategy:
 def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | None = None, dp_replicate: int | None = None,
                      sequence_parallel: bool = False, loss_parallel: bool = False,
                      activation_checkpointing: bool = False, mixed_precision: str | None = None,
-                     cpu_offload: bool = False, schedule: str | None = None, stages_per_rank: int | None = None,
-                     microbatches: int | None = None) -> Strategy:
+                     cpu_offload: bool = False, compile: bool = False, schedule: str | None = None,
+                     stages_per_rank: int | None = None, microbatches: int | None = None) -> Strategy:
     """The one Strategy these options mean on ``dims``; ValueError for combinations that cannot run."""
     zero = layout_rules.zero_stage(zero, fsdp_strategy)
     hybrid = fsdp_strategy == "hybrid"
@@ -96,7 +97,7 @@ def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | 
                     dp_replicate=replicate if hybrid else 1, sequence_parallel=bool(sequence_parallel),
                     loss_parallel=bool(loss_parallel) and dims.tp > 1,
                     activation_checkpointing=bool(activation_checkpointing), mixed_precision=mixed_precision,
-                    cpu_offload=bool(cpu_offload), **pipeline)
+                    cpu_offload=bool(cpu_offload), compile=bool(compile), **pipeline)
 
 
 if __name__ == "__main__":
