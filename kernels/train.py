@@ -50,7 +50,7 @@ from kernels.step_hooks import PipelineTracer, StepHooks
 from kernels.train_loop import FlatStep, PipelineStep, train_loop
 
 
-def rank_layout(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
+def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
     """The mesh sizes and the Strategy ``run`` means on ``world_size`` ranks."""
     if dist.is_initialized() and world_size > dist.get_world_size():
         raise ValueError(f"world_size={world_size} is more than the {dist.get_world_size()} ranks of the process group")
@@ -149,7 +149,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     mesh sub-groups, so runs on a warm pool leave only the default group behind.
     """
     run = RunConfig.from_dict(cfg)
-    dims, strategy = rank_layout(run, run.world_size or dist.get_world_size())
+    dims, strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # Group creation is collective over every rank of the process group, in the mesh or not.
     mesh = build_mesh(dims, device.type)
