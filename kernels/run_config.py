@@ -3,7 +3,7 @@
 Built once (by ``lab.experiment`` from ``lab.Parallel`` and the Experiment's arguments,
 or by the torchrun CLI of ``kernels.train``), validated once at construction, and sent
 to the ranks as the plain dict ``to_dict()`` gives; each rank rebuilds it with
-``from_dict``. The JSON round trip is exact: ``from_dict(json.loads(json.dumps(c.to_dict()))) == c``.
+``from_dict``. Both come from ``kernels.records.Record``, so an unknown key is refused by name. The JSON round trip is exact: ``from_dict(json.loads(json.dumps(c.to_dict()))) == c``.
 
 Run alone (prints a config's dict)::
 
@@ -11,18 +11,18 @@ Run alone (prints a config's dict)::
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernels import layout_rules
+from kernels.records import Record
 
 MODEL_KEYS = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff", "bias")
 MIXED_PRECISION = (None, "bf16")
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Record):
     """One run: the model, the layout, the optimizer and data, and what to record."""
 
     model: dict[str, Any] = field(default_factory=dict)  # kernels.model.GPTConfig fields (not seed)
@@ -76,24 +76,6 @@ class RunConfig:
         """AdamW's hyper-parameters, the same for the reference and every layout (foreach off: one kernel)."""
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                 "foreach": False}
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-plain: tuples become lists."""
-        out = dataclasses.asdict(self)
-        out["betas"] = list(self.betas)
-        out["ranks_per_host"] = list(self.ranks_per_host) if self.ranks_per_host is not None else None
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
-        """The config ``data`` names (missing keys take their defaults); ValueError naming unknown keys."""
-        unknown = sorted(set(data) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"RunConfig: unknown keys {unknown}; known: {sorted(FIELDS)}")
-        return cls(**data)
-
-
-FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
 
 def _validate(c: RunConfig) -> None:

@@ -57,7 +57,7 @@ def test_the_rank_config_is_typed_and_round_trips_through_json():
     ({"fsdp_strategy": "half"}, "fsdp_strategy must be None or one of"),
     ({"schedule": "pipedream"}, "unknown schedule"),
     ({"model": {"layers": 2, "width": 3}}, "unknown model keys"),
-    ({"virtual_stages": 2}, "unknown keys"),
+    ({"virtual_stages": 2}, "unknown key 'virtual_stages'"),
 ])
 def test_a_bad_rank_config_is_refused_in_words(fields, words):
     with pytest.raises(ValueError, match=words):
