@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--fsdp-strategy", choices=tuple(layout_rules.FSDP_STRATEGY_ZERO))
     p.add_argument("--mixed-precision", choices=("bf16",))
     p.add_argument("--synthetic-forward-s", type=float, help="with --trace: pad every action to this cost")
-    for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload", "trace"):
+    for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload", "compile", "trace"):
         p.add_argument(f"--{flag}", action="store_true")
     a = vars(p.parse_args(argv))
     model = {k: a.pop(k) for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len")}
