@@ -123,7 +123,7 @@ def _choose_backend(backend: str, plans: dict[str, Placement | str],
 
 
 def _share_gpus(hosts: dict[str, list[EngineInfo]]) -> tuple[dict[str, Placement], str] | None:
-    """Each host's ranks spread round-robin over the GPUs it sees, or None where a host sees none."""
+    """(placement per host, note): each host's ranks round robin over the GPUs it sees; None where a host sees none."""
     plans: dict[str, Placement] = {}
     counts = []
     for host, engs in hosts.items():
@@ -161,17 +161,16 @@ def build_rank_map(engines: Sequence[EngineInfo], backend: str = "auto", *, shar
         _check_equal_hosts(hosts)
     plans = {h: place_host(h, engs) for h, engs in hosts.items()}
     chosen, note = _choose_backend(backend, plans, engines)
-    shared = _share_gpus(hosts) if share_gpu and chosen == "gloo" else None
-    if shared is not None:
-        note = shared[1]
-    elif share_gpu and chosen == "gloo":
-        note += "; share_gpu=True has no GPU to share on some host"
+    if chosen == "gloo":  # CPU ranks, unless they may share the GPUs
+        shared = _share_gpus(hosts) if share_gpu else None
+        if shared is not None:
+            plans, note = shared
+        else:
+            plans = {h: [("cpu", None)] * len(engs) for h, engs in hosts.items()}
+            note += "; share_gpu=True has no GPU to share on some host" if share_gpu else ""
     ranks: list[RankInfo] = []
     for host, engs in hosts.items():
-        plan = plans[host]
-        cpu: Placement = [("cpu", None)] * len(engs)
-        places = plan if chosen == "nccl" and isinstance(plan, list) else shared[0][host] if shared else cpu
-        for local_rank, (e, (device, gpu)) in enumerate(zip(engs, places)):
+        for local_rank, (e, (device, gpu)) in enumerate(zip(engs, plans[host])):
             ranks.append(RankInfo(rank=len(ranks), local_rank=local_rank, engine_id=e.engine_id,
                                   host=host, ip=e.ip, pid=e.pid, device=device, gpu=gpu,
                                   backend=chosen))
