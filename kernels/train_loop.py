@@ -43,7 +43,6 @@ class FlatStep:
 
     def __init__(self, model: nn.Module, microbatches: int, loss_parallel: bool, device: torch.device) -> None:
         self.model, self.n_micro, self.loss_parallel, self.device = model, microbatches, loss_parallel, device
-        self.params_module = model  # what the gradient norm reads
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor:
         local = torch.zeros((), device=self.device)
