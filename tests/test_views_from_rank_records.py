@@ -22,7 +22,6 @@ from kernels.collectives import run_collectives
 from kernels.records import (BubbleReport, ClockSync, CollectiveRecord, CommRecord, LayoutRecord, MemoryRecord,
                              RankStatus, TraceEvent)
 from lab.run_result import RunResult
-from tests.conftest import start_pool
 from widgets import (ClusterView, CollectiveView, MemoryView, PipelineTimeline, ShardingView, plot_cluster,
                      plot_collective, plot_memory, plot_sharding, plot_timeline)
 
@@ -34,9 +33,8 @@ RUNS = {"pp2_dp2_zero1": dict(parallel=lab.Parallel(pp=2, dp=2, zero=1, schedule
 
 
 @pytest.fixture(scope="module")
-def pool(request):
-    cluster = start_pool(4)
-    request.addfinalizer(cluster.stop)
+def pool(cluster):
+    """The session's shared 4-rank pool."""
     return cluster
 
 
