@@ -22,18 +22,33 @@ Run alone (two ranks, no ipyparallel)::
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import socket
 import traceback
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# These torch modules give functions the default argument ``group=dist.group.WORLD``, which
+# Python evaluates once, at the module's first import. Imported while a world exists (training
+# imports them lazily), they would hold that world's process group for good, and with it its
+# gloo connections: a failing rank's leave_world() would then close nothing, and its peers would
+# wait in their collective until the timeout instead of failing at once. Imported here, before
+# any world, the defaults hold None.
+_MODULES_WITH_WORLD_DEFAULTS = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                                "torch.distributed.fsdp.sharded_grad_scaler")
+for _name in _MODULES_WITH_WORLD_DEFAULTS:
+    importlib.import_module(_name)
 
 # The master store must outlive the call that created it until rank 0 joins the
 # world in the next call; after that the process group holds its own reference.
 _master_store: dist.TCPStore | None = None
+_left_groups: list[weakref.ref] = []  # the groups the last leave_world() destroyed
 
 
 def describe_engine(controller_host: str) -> dict[str, Any]:
@@ -115,12 +130,31 @@ def _device_id(device: str) -> torch.device | None:
 
 
 def leave_world() -> bool:
-    """Destroy this engine's process groups (all of them); True if one existed."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        gc.collect()  # drop reference cycles that would keep the group's sockets open
-        return True
-    return False
+    """Destroy this engine's process groups (all of them) and free them; True if one existed.
+
+    A gloo group closes its connections only when the group object itself is freed, and
+    torch keeps groups reachable past ``destroy_process_group``: every DeviceMesh holds its
+    groups, and DTensor's caches (sharding propagation, redistribution planners, mesh
+    topology) keep the meshes of earlier runs alive, as may the user's own variables. So
+    the groups are dropped from every mesh still alive, then reference cycles are collected;
+    :func:`lingering_groups` says whether any group survived even so.
+    """
+    global _left_groups
+    if not dist.is_initialized():
+        return False
+    from torch.distributed import distributed_c10d as c10d  # its group table is private
+
+    _left_groups = [weakref.ref(group) for group in c10d._world.pg_map]
+    dist.destroy_process_group()
+    for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):
+        getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's name -> group table
+    gc.collect()  # groups held only by reference cycles (a failed collective's frames, a model's hooks)
+    return True
+
+
+def lingering_groups() -> int:
+    """How many of the groups the last :func:`leave_world` destroyed are still alive (their connections open)."""
+    return sum(ref() is not None for ref in _left_groups)
 
 
 def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
