@@ -34,16 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from kernels import stack_report
+
 # These torch modules give functions the default argument ``group=dist.group.WORLD``, which
 # Python evaluates once, at the module's first import. Imported while a world exists (training
 # imports them lazily), they would hold that world's process group for good, and with it its
 # gloo connections: a failing rank's leave_world() would then close nothing, and its peers would
-# wait in their collective until the timeout instead of failing at once. Imported here, before
-# any world, the defaults hold None.
+# wait in their collective until the timeout instead of failing at once. describe_engine, the
+# first call on every engine, imports them before any world, so the defaults hold None.
 _MODULES_WITH_WORLD_DEFAULTS = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
                                 "torch.distributed.fsdp.sharded_grad_scaler")
-for _name in _MODULES_WITH_WORLD_DEFAULTS:
-    importlib.import_module(_name)
 
 # The master store must outlive the call that created it until rank 0 joins the
 # world in the next call; after that the process group holds its own reference.
@@ -55,8 +55,13 @@ def describe_engine(controller_host: str) -> dict[str, Any]:
     """Report this engine's host, reachable address, pid, visible GPUs and cores.
 
     ``controller_host`` is only used to find which local address routes to the
-    controller, which is the address other hosts can reach this engine on.
+    controller, which is the address other hosts can reach this engine on. The engine is
+    also armed to report its stack on the driver's signal (``kernels.stack_report``), and
+    imports the torch modules that would otherwise pin a world (``_MODULES_WITH_WORLD_DEFAULTS``).
     """
+    stack_report.arm()
+    for name in _MODULES_WITH_WORLD_DEFAULTS:
+        importlib.import_module(name)
     return {
         "host": socket.gethostname(),
         "ip": _routable_ip(controller_host),
@@ -133,11 +138,13 @@ def leave_world() -> bool:
     """Destroy this engine's process groups (all of them) and free them; True if one existed.
 
     A gloo group closes its connections only when the group object itself is freed, and
-    torch keeps groups reachable past ``destroy_process_group``: every DeviceMesh holds its
-    groups, and DTensor's caches (sharding propagation, redistribution planners, mesh
-    topology) keep the meshes of earlier runs alive, as may the user's own variables. So
-    the groups are dropped from every mesh still alive, then reference cycles are collected;
-    :func:`lingering_groups` says whether any group survived even so.
+    torch keeps groups reachable past ``destroy_process_group``: a failed collective's
+    frames hold its group, and every DeviceMesh holds its groups, while DTensor's caches
+    (sharding propagation, redistribution planners, mesh topology) keep the meshes of
+    earlier runs alive, as may the user's own variables. So if a group survives its
+    destruction, reference cycles are collected, and if one survives even that, it is
+    dropped from every mesh still alive. :func:`lingering_groups` says whether any
+    group survived all of it.
     """
     global _left_groups
     if not dist.is_initialized():
@@ -146,9 +153,12 @@ def leave_world() -> bool:
 
     _left_groups = [weakref.ref(group) for group in c10d._world.pg_map]
     dist.destroy_process_group()
-    for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):
-        getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's name -> group table
-    gc.collect()  # groups held only by reference cycles (a failed collective's frames, a model's hooks)
+    if lingering_groups():
+        gc.collect()
+    if lingering_groups():  # scanning every object costs a few tenths of a second: only when needed
+        for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):
+            getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's name -> group table
+        gc.collect()
     return True
 
 
@@ -162,10 +172,13 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
 
     Leaving the world closes this rank's connections, so peers blocked in a
     collective with it fail fast rather than hang until the collective timeout.
+    The failure's frames are kept for the driver (``kernels.stack_report.last_failure``).
     """
+    stack_report.forget_failure()
     try:
         return fn(*args, **kwargs)
     except BaseException as error:
+        stack_report.record_failure(error)
         # The failed collective's frames hold the process group; clearing their
         # locals lets it be freed (and its sockets closed) now, not when IPython
         # drops its reference to the last traceback.

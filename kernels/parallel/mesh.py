@@ -130,11 +130,10 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     for group in seen.values():
         dist.destroy_process_group(group)
     # A gloo group closes its connections only once freed, and DTensor's other caches keep
-    # meshes alive across runs: without this each run would leave its groups' sockets open.
+    # meshes alive across runs: without this each run would leave its groups' sockets open,
+    # and a mesh over the whole world would keep the world's group alive after it is destroyed.
     for root in roots:
-        registry = getattr(root, "_pg_registry", {})
-        for name in [n for n, g in registry.items() if id(g) in seen]:
-            del registry[name]
+        getattr(root, "_pg_registry", {}).clear()
     return len(seen)
 
 
