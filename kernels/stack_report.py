@@ -99,7 +99,7 @@ def forget_failure() -> None:
 
 
 def record_failure(error: BaseException, skip: int = 1) -> None:
-    """Keep ``error``'s type name and the frames it passed through, outermost first, less the ``skip`` outermost (the guard's)."""
+    """Keep ``error``'s type name and frames, outermost first, less the ``skip`` outermost (the guard's)."""
     frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(error.__traceback__)[skip:]]
     _last_failure.update(ename=type(error).__name__, frames=frames)
 

@@ -34,7 +34,7 @@ from typing import Iterable
 from kernels import runtime, stack_report
 from kernels.records import EngineInfo
 from lab import launch
-from lab.errors import LabError, RankError, Recovery
+from lab.errors import LabError, RankError, Recovery, rank_list
 from lab.rank_map import build_rank_map
 from lab.standby import engine_info
 from lab.supervise import Outcome, describe_failures, wait_ranks
@@ -129,8 +129,9 @@ class WorldKeeper:
         lost = out.dead | set(killed)
         if out.pending:
             return Recovery(interrupted, rebuilt=False, why_not=(
-                f"{_names(out.pending)} are still blocked and this pool's engines were not started by the lab, so it "
-                "will not kill them; restart them with ipcluster, then call cluster.restart()"))
+                f"{rank_list(out.pending)} {'is' if len(out.pending) == 1 else 'are'} still blocked and this pool's "
+                "engines were not started by the lab, so it will not kill them; restart them with ipcluster, then "
+                "call cluster.restart()"))
         if lost and not self._source.owned:
             self._dead |= out.dead
             return Recovery(interrupted, killed, rebuilt=False, why_not=(
@@ -152,7 +153,7 @@ class WorldKeeper:
         """Give the ranks that still have no engine one each, waiting for engines to start, and rebuild the world."""
         self._replace_ranks(self._timeout)
         if self._dead:
-            raise LabError(f"{_names(self._dead)} still {'has' if len(self._dead) == 1 else 'have'} no engine after "
+            raise LabError(f"{rank_list(self._dead)} still {'has' if len(self._dead) == 1 else 'have'} no engine after "
                            f"{self._timeout:g} s; call cluster.restart() to start over")
         self._form_world()
         self._states = {}
@@ -216,11 +217,6 @@ class WorldKeeper:
                 raise LabError(f"only {len(set(client.ids) - old)} of {n} engines came back within {self._timeout}s")
             time.sleep(0.1)
         return sorted(set(client.ids) - old)[:n]
-
-
-def _names(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _in_ipython() -> bool:

@@ -8,7 +8,7 @@ traceback is ``err.remote_traceback``, and every rank's is ``err.failures[i].tra
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kernels.records import RankFailure
@@ -36,14 +36,15 @@ class Recovery:
         """One or two sentences for the error message."""
         parts = []
         if self.killed:
-            parts.append(f"{_ranks(self.killed)} stayed blocked even after SIGINT, so the lab killed "
+            parts.append(f"{rank_list(self.killed)} stayed blocked even after SIGINT, so the lab killed "
                          f"{'its engine' if len(self.killed) == 1 else 'their engines'}.")
         if self.replaced:
-            moves = ", ".join(f"rank {r} now runs in pid {new} (was {old})" for r, (old, new) in sorted(self.replaced.items()))
+            moves = ", ".join(f"rank {r} now runs in pid {new} (was {old})"
+                              for r, (old, new) in sorted(self.replaced.items()))
             parts.append(f"Replaced: {moves}.")
         if self.waiting_for_engines:
             one = len(self.waiting_for_engines) == 1
-            parts.append(f"{_ranks(self.waiting_for_engines)} {'has' if one else 'have'} no engine yet: "
+            parts.append(f"{rank_list(self.waiting_for_engines)} {'has' if one else 'have'} no engine yet: "
                          f"{'a new one is' if one else 'new ones are'} starting, and the next call waits for "
                          f"{'it' if one else 'them'} and rebuilds the world; no restart needed.")
         elif self.rebuilt:
@@ -128,10 +129,11 @@ def _group(failures: Sequence[RankFailure]) -> str:
     for f in failures:
         said = f.evalue if f.ename in _SAID_BY_LAB else f.ename
         groups.setdefault((f.host, said, f.collateral), []).append(f.rank)
-    return "; ".join(f"{_ranks(ranks)} ({host}) {said}" + (" [collateral]" if collateral else "")
+    return "; ".join(f"{rank_list(ranks)} ({host}) {said}" + (" [collateral]" if collateral else "")
                      for (host, said, collateral), ranks in groups.items())
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def rank_list(ranks: Iterable[int]) -> str:
+    """ "rank 3", "ranks 0, 1, 3"."""
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

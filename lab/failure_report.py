@@ -19,7 +19,7 @@ from typing import NoReturn
 from kernels import stack_report
 from kernels.stack_report import Frame
 from lab import frames as frame_view
-from lab.errors import DeadRankError, RankError, RankTimeoutError
+from lab.errors import DeadRankError, RankError, RankTimeoutError, rank_list
 from lab.supervise import Outcome, describe_failures
 
 DUMP_WAIT_S = 0.5  # a signalled rank writes its stack from a C handler within milliseconds
@@ -41,10 +41,7 @@ class FailureReporter:
         late = {r: (frame_view.collective_of(f) if f else None) for r, f in at_deadline.items()}
         where = {r: frame_view.render(frame_view.user_frame(f)) for r, f in {**raised, **at_deadline}.items() if f}
         stacks = {r: frame_view.plain_traceback(f) for r, f in at_deadline.items() if f}
-        if timed_out and any(late.values()) and not any(c is None for c in late.values()):
-            late_ranks = sorted(skipped)  # everyone still running waited in a collective: for those who left
-        else:
-            late_ranks, skipped = sorted(r for r, c in late.items() if c is None), set()
+        late_ranks, skipped = _culprits(late, skipped)
         failures = describe_failures(out, rank_map, interrupted=set(recovery.interrupted) - set(late),
                                      killed=set(recovery.killed), late=late, skipped=skipped, where=where,
                                      stacks=stacks)
@@ -96,6 +93,19 @@ class FailureReporter:
         return answers
 
 
+def _culprits(late: dict[int, str | None], returned: set[int]) -> tuple[list[int], set[int]]:
+    """(the ranks that kept the others waiting, those of them that had returned) after a timeout.
+
+    A rank still running outside any collective kept the others waiting. When every
+    rank still running waited in a collective, the ones that had already returned
+    never joined it; if none had, it is a deadlock and nobody is singled out.
+    """
+    outside = sorted(r for r, c in late.items() if c is None)
+    if outside or not late:
+        return outside, set()
+    return sorted(returned), set(returned)
+
+
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -104,10 +114,8 @@ def _size(path: str) -> int:
 
 
 def _named(ranks, rank_map) -> str:
-    ranks = sorted(ranks)
     hosts = sorted({rank_map.ranks[r].host for r in ranks})
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-    return f"{who} (host {', '.join(hosts)})"
+    return f"{rank_list(ranks)} (host {', '.join(hosts)})"
 
 
 def _dead_summary(dead: set[int], rank_map) -> str:

@@ -3,6 +3,8 @@
 The driver never blocks on one rank. It waits on all of them at once, in short
 slices, and between slices asks whether any engine process has died, so a dead
 rank is noticed within a slice rather than after ipyparallel's heartbeat timeout.
+(ipyparallel's own notice usually comes first: the engine's nanny tells the hub at
+once, and the client fails the dead engine's task, which ends the wait.)
 """
 from __future__ import annotations
 
@@ -87,34 +89,25 @@ def _collect(out: Outcome, rank: int, ar: AsyncResult) -> None:
 
 def describe_failures(out: Outcome, rank_map: RankMap, *, interrupted: set[int] = frozenset(),
                       killed: set[int] = frozenset(), late: dict[int, str | None] | None = None,
-                      skipped: set[int] = frozenset(), where: dict[int, str] | None = None, stacks: dict[int, str] | None = None) -> list[RankFailure]:
+                      skipped: set[int] = frozenset(), where: dict[int, str] | None = None,
+                      stacks: dict[int, str] | None = None) -> list[RankFailure]:
     """Turn an outcome into failures, the cause first.
 
     The cause is the earliest failure that is not collateral; a rank is collateral
     when its error says a peer left, when the lab itself interrupted or killed it,
     or, after a timeout, when it was waiting in a collective for a late rank.
     ``late`` maps each rank still running at a timeout to the collective it was
-    waiting in (None: in none), and ``skipped`` are ranks that returned while the
-    late ones waited in a collective for them; ``where`` holds each rank's rendered user frame and
-    ``stacks`` the plain stack of late ranks that have no traceback of their own.
+    waiting in (None: in none); ``skipped`` are ranks that had returned while the
+    others waited in a collective for them. ``where`` holds each rank's rendered
+    user frame, ``stacks`` the plain stack of late ranks without a traceback.
     """
     late, where, stacks = late or {}, where or {}, stacks or {}
     hosts = {r.rank: r.host for r in rank_map.ranks}
     pids = {r.rank: r.pid for r in rank_map.ranks}
-    held_up = bool(skipped) or any(c is None for c in late.values())  # someone kept the waiting ranks waiting
-    rows: list[tuple[float, RankFailure]] = []
+    rows = _late_rows(out, hosts, late, skipped, where, stacks)
     for rank in sorted(out.dead - set(late)):
         rows.append((0.0, RankFailure(rank, hosts[rank], "EngineDied",
                                       f"the engine process (pid {pids[rank]}) on {hosts[rank]} is gone", "")))
-    for rank, collective in sorted(late.items()):
-        tb = _remote_parts(out.errors[rank])[2] if rank in out.errors else stacks.get(rank, "")
-        evalue = (f"waited in {collective} until the timeout" if collective
-                  else "did not finish within the timeout, outside any collective")
-        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout", evalue, tb,
-                                               collateral=bool(collective) and held_up, where=where.get(rank, ""))))
-    for rank in sorted(skipped):
-        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout",
-                                               "returned while its peers still waited in a collective for it", "")))
     for rank, error in out.errors.items():
         if rank in late:
             continue
@@ -128,6 +121,23 @@ def describe_failures(out: Outcome, rank_map: RankMap, *, interrupted: set[int] 
                                                "still blocked after SIGINT, so its engine was killed", "", True)))
     rows.sort(key=lambda pair: (pair[1].collateral, pair[0], pair[1].rank))
     return [f for _, f in rows]
+
+
+def _late_rows(out: Outcome, hosts: dict[int, str], late: dict[int, str | None], skipped: set[int],
+               where: dict[int, str], stacks: dict[int, str]) -> list[tuple[float, RankFailure]]:
+    """A timeout's failures: ranks waiting in a collective are collateral when someone kept them waiting."""
+    held_up = bool(skipped) or any(c is None for c in late.values())
+    rows = []
+    for rank, collective in sorted(late.items()):
+        tb = _remote_parts(out.errors[rank])[2] if rank in out.errors else stacks.get(rank, "")
+        evalue = (f"waited in {collective} until the timeout" if collective
+                  else "did not finish within the timeout, outside any collective")
+        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout", evalue, tb,
+                                               collateral=bool(collective) and held_up, where=where.get(rank, ""))))
+    for rank in sorted(skipped):
+        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout",
+                                               "returned while its peers still waited in a collective for it", "")))
+    return rows
 
 
 def _remote_parts(error: BaseException) -> tuple[str, str, str]:
