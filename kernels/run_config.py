@@ -72,10 +72,14 @@ class RunConfig(Record):
     def dataset_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
 
-    def adamw_kwargs(self) -> dict[str, Any]:
-        """AdamW's hyper-parameters, the same for the reference and every layout (foreach off: one kernel)."""
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "foreach": False}
+    def adamw_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
+        """AdamW's hyper-parameters and kernel on ``device_type``, the same for the reference and every layout.
+
+        CUDA takes the fused kernel, as torch users set it; CPU keeps the per-parameter loop
+        (foreach off), so the reference and the ranks run one kernel and match exactly.
+        """
+        kernel = {"fused": True} if device_type == "cuda" else {"foreach": False}
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay, **kernel}
 
 
 def _validate(c: RunConfig) -> None:

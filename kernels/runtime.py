@@ -34,6 +34,9 @@ import torch.distributed as dist
 # The master store must outlive the call that created it until rank 0 joins the
 # world in the next call; after that the process group holds its own reference.
 _master_store: dist.TCPStore | None = None
+# The device this rank computes on, from the rank map: a GPU of its own (NCCL), a shared GPU
+# (gloo with CUDA tensors) or the CPU. None until join_world runs (e.g. under torchrun).
+_rank_device: torch.device | None = None
 
 
 def describe_engine(controller_host: str) -> dict[str, Any]:
@@ -89,9 +92,10 @@ def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     timeout_s (collective timeout). Any process group this engine held before is
     destroyed first, so calling this again rebuilds the world.
     """
-    global _master_store
+    global _master_store, _rank_device
     leave_world()
     torch.set_num_threads(int(spec["threads"]))
+    _rank_device = torch.device(spec["device"])
     if spec["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(spec["device"]))
     rank, world = int(spec["rank"]), int(spec["world_size"])
@@ -107,6 +111,15 @@ def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     if probe.item() != expected:
         raise RuntimeError(f"rank {rank}: all_reduce check gave {probe.item()}, expected {expected}")
     return {"rank": rank, "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: the rank map's, or under torchrun its GPU with NCCL, else the CPU."""
+    if _rank_device is not None and dist.is_initialized():
+        return _rank_device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _device_id(device: str) -> torch.device | None:

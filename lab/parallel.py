@@ -53,7 +53,6 @@ RULES = {
     "dp-replicate": "dp_replicate is for fsdp_strategy 'hybrid' only, and must divide dp",
     "mixed-precision": "mixed_precision must be None or 'bf16'",
     "cpu-offload": "cpu_offload needs full sharding (zero 3 / FSDP full or hybrid)",
-    "mixed-precision-fsdp": "bf16 mixed precision uses FSDP2's MixedPrecisionPolicy, so it needs zero 2 or 3",
     "zero1-dtensor": "ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters, so not with tp > 1",
 }
 
@@ -81,7 +80,7 @@ class Parallel:
     dp_replicate: int | None = None  # HSDP: dp = dp_replicate * dp_shard; None: see hsdp_sizes
     sequence_parallel: bool = False  # shard norms/dropout over the sequence dim on the tp axis
     activation_checkpointing: bool = False  # recompute each block in backward
-    mixed_precision: str | None = None  # None (fp32) or "bf16" (MixedPrecisionPolicy)
+    mixed_precision: str | None = None  # None (fp32) or "bf16" (FSDP2's MixedPrecisionPolicy, else torch.autocast)
     cpu_offload: bool = False  # keep sharded params/grads/optimizer on CPU (CPUOffloadPolicy)
 
     def __post_init__(self) -> None:
@@ -184,9 +183,6 @@ class Parallel:
             out.append(("cpu-offload", "cpu_offload uses FSDP2's CPUOffloadPolicy, which this lab applies "
                         f"with full sharding only (zero 3 or fsdp_strategy 'full'/'hybrid'); got zero={self.zero}, "
                         f"fsdp_strategy={self.fsdp_strategy!r}"))
-        if self.mixed_precision == "bf16" and self._zero_in_effect() not in (2, 3):
-            out.append(("mixed-precision-fsdp", "mixed_precision='bf16' is applied through FSDP2's "
-                        f"MixedPrecisionPolicy, which needs zero 2 or 3 (or an FSDP strategy); got zero={self.zero}"))
         if self.zero == 1 and self.tp > 1:
             out.append(("zero1-dtensor", "zero=1 uses ZeroRedundancyOptimizer, which does not support "
                         f"DTensor parameters, and tp={self.tp} makes them DTensors; use zero 2/3 (FSDP2) with TP"))

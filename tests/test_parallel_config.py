@@ -51,7 +51,6 @@ VIOLATIONS = [
     ("mixed-precision", dict(dp=2, zero=3, mixed_precision="fp16"), {}),
     ("cpu-offload", dict(dp=2, zero=2, cpu_offload=True), {}),
     ("cpu-offload", dict(dp=2, cpu_offload=True), {}),
-    ("mixed-precision-fsdp", dict(dp=2, zero=1, mixed_precision="bf16"), {}),
     ("zero1-dtensor", dict(dp=2, tp=2, zero=1), {}),
 ]
 

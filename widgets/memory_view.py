@@ -2,8 +2,8 @@
 
 Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
-``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_max_allocated`` (any other
-category counts as ``other``). On GPU, ``other`` also takes what
+``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
+allocator's view of the same tensors) | ``cuda_max_allocated`` (any other category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
 
 One ``.cl-mem-rank`` per rank: a measured bar of ``.cl-mem-seg[data-category]`` segments
@@ -42,6 +42,8 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r["category"] == "cuda_max_allocated":
             cuda = r.get("measured")
+            continue
+        if r["category"] == "cuda_allocated":  # the allocator's view of the same tensors: not a bar of its own
             continue
         cat = r["category"] if r["category"] in CATEGORIES else "other"
         _add(measured, cat, r.get("measured"))
