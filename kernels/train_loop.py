@@ -39,6 +39,7 @@ from kernels.data import microbatches
 from kernels.model import loss_fn
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import sync_gradients
+from kernels.parallel.p2p_staging import needs_staging, staged_p2p
 from kernels.parallel.tensor_parallel import loss_context
 from kernels.step_hooks import StepHooks
 
@@ -76,9 +77,11 @@ class PipelineStep:
                  pp_group: dist.ProcessGroup, device: torch.device) -> None:
         self.runtime, self.params_module, self.average_over = runtime, stack, average_over
         self.pp_group, self.device = pp_group, device
+        self.stage_p2p = needs_staging(device, pp_group)  # gloo ranks sharing a GPU
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor | None:
-        with hooks.schedule(self.runtime.stages):
+        # Staging first, so a tracer wraps the staged p2p and still sees the schedule's own ops.
+        with staged_p2p(self.stage_p2p), hooks.schedule(self.runtime.stages):
             loss = pipeline.pipeline_step(self.runtime, inputs, targets)  # the last stage's loss, else None
         if self.average_over is not None:
             with hooks.part("all_reduce", nbytes=_grad_bytes(self.params_module)):
