@@ -144,6 +144,16 @@ class RankFailure(Record):
 
 
 @dataclass(frozen=True)
+class CellOutput(Record):
+    """What one rank's run of a ``%%px`` cell wrote and displayed, and the value of its last expression."""
+
+    stdout: str = ""
+    stderr: str = ""
+    displays: tuple[dict[str, Any], ...] = ()  # mime bundles of the cell's display() calls, in order
+    value: dict[str, Any] | None = None  # mime bundle of the last expression's value; None when it has none
+
+
+@dataclass(frozen=True)
 class TraceEvent(Record):
     """One timed action on one rank, in seconds since rank 0's epoch (aligned clocks).
 

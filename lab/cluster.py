@@ -16,7 +16,7 @@ from ipyparallel import AsyncResult
 
 from kernels import runtime
 from kernels.records import RankMap, RankStatus
-from lab import cluster_render, launch
+from lab import cluster_render, launch, px_magic
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.supervise import Outcome, wait_ranks
@@ -160,8 +160,13 @@ class Cluster(WorldKeeper):
         return list(values) if ranks is None else dict(zip(targets, values))
 
     def activate(self) -> None:
-        """Point IPython's ``%px``/``%%px`` magics at the ranks, in rank order."""
-        self._source.client[[r.engine_id for r in self._rank_map.ranks]].activate()
+        """Make IPython's ``%px``/``%%px`` run cells on these ranks (``lab.px_magic``).
+
+        A ``%%px`` cell runs like ``cluster.run``: each rank's output is shown, labelled
+        by rank, when the cell ends; a failing rank raises ``RankError`` and the world is
+        rebuilt; ``%%px --timeout S`` bounds the cell and ``--ranks 0,2`` picks ranks.
+        """
+        px_magic.register(self)
 
     # ------------------------------------------------------------------ lifecycle
     def restart(self) -> "Cluster":
