@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from kernels import layout_rules
@@ -189,8 +189,11 @@ def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any
                                    output_layouts=Shard(0) if sequence_parallel else Replicate()),
         # Column-parallel head: all_gather of the input (SP) then vocab-sharded logits;
         # without loss_parallel the logits are all_gathered to (B, T, V) on every rank.
+        # They leave the model as a DTensor and loss_fn takes the local tensor: to_local()
+        # returns a view, and an FSDP2 unit that returns a view loses its pre-backward
+        # hook to any in-place op on it (torch warns on every forward).
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=not loss_parallel),
+                                   use_local_output=False),
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
@@ -261,7 +264,13 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over all B*T tokens; logits (B, T, V), targets (B, T)."""
+    """Cross-entropy averaged over all B*T tokens; logits (B, T, V), targets (B, T).
+
+    Under TP the logits are a DTensor: replicated (each rank holds them whole, so the
+    loss is its local tensor's) or, with loss_parallel, sharded on the vocab dim.
+    """
+    if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
+        logits = logits.to_local()
     # .float(): compute the softmax in fp32 even when the logits are bf16.
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 

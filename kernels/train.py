@@ -18,7 +18,7 @@ params (this rank's parameters gathered whole, by name: every parameter, or with
 its stages'); with measure, measure (``kernels.measure``'s record); with trace (pp
 only), trace (``kernels.step_hooks.PipelineTracer``'s record).
 
-Run alone (prints the losses beside the one-process reference)::
+Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference)::
 
     torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3
 """
@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     if dist.get_backend() == "nccl":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     try:
+        if dist.get_rank() == 0:  # what the options resolved to (zero 0 with dp x tp is FSDP2, for one)
+            strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())[1]
+            print(strategy.describe(), flush=True)
         out = train_rank(run.to_dict())
         if dist.get_rank() == 0:
             ref = train_reference(run)["losses"]

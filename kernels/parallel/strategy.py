@@ -72,6 +72,24 @@ class Strategy:
             return "pp" if self.pp > 1 else ("tp" if self.tp > 1 else "single")
         return self.grad_sync.value
 
+    def describe(self) -> str:
+        """One line: the mesh sizes and how the dp replicas' gradients meet (the torchrun CLI prints it)."""
+        sizes = f"pp {self.pp} x dp {self.dp} x tp {self.tp}"
+        if self.grad_sync is not GradSync.FSDP:
+            return f"{sizes}: {_SYNC_WORDS[self.grad_sync]}"
+        if self.hybrid and self.dp_replicate == self.dp:  # one shard per replica: replication
+            why = "; DDP itself cannot take TP's DTensors" if self.tp > 1 else ""
+            return (f"{sizes}: FSDP2 replicating over dp (HSDP, {self.dp} replicas of 1 shard): whole parameters, "
+                    f"gradients all-reduced as under DDP{why}")
+        shards = self.dp // self.dp_replicate
+        hsdp = f" as HSDP ({self.dp_replicate} replicas of {shards} shards)" if self.hybrid else ""
+        return f"{sizes}: FSDP2 ZeRO-{self.zero}{hsdp}"
+
+
+_SYNC_WORDS = {GradSync.NONE: "no gradient sync (dp 1)", GradSync.DDP: "DDP (bucketed gradient all-reduce)",
+               GradSync.ZERO1: "ZeRO-1 (gradient all-reduce, sharded optimizer state)",
+               GradSync.ALLREDUCE: "one all_reduce per gradient after the schedule"}
+
 
 def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | None = None, dp_replicate: int | None = None,
                      sequence_parallel: bool = False, loss_parallel: bool = False,
@@ -125,4 +143,4 @@ if __name__ == "__main__":
     for sizes, opts in (({"dp": 4}, {}), ({"dp": 2, "tp": 2}, {}), ({"dp": 4}, {"fsdp_strategy": "hybrid"}),
                         ({"pp": 2, "dp": 2}, {"schedule": "zbv"})):
         dims = ParallelDims(world_size=sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1), **sizes)
-        print(sizes, opts, "->", resolve_strategy(dims, **opts))
+        print(sizes, opts, "->", resolve_strategy(dims, **opts).describe())
