@@ -42,6 +42,7 @@ class Cluster(WorldKeeper):
         self._dead: set[int] = set()
         self._states: dict[int, tuple[str, str]] = {}
         self._watchers: list[Callable[[list[RankStatus]], None]] = []
+        self._on_stop: list[Callable[[], None]] = []
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
@@ -197,6 +198,8 @@ class Cluster(WorldKeeper):
         if self._stopped:
             return
         self._stopped = True
+        for callback in self._on_stop:  # views that offer to run on the pool take their buttons away
+            callback()
         if hasattr(self, "_views") and not self._dead:
             try:
                 wait_ranks({r: v.apply_async(runtime.leave_world) for r, v in self._views.items()},
@@ -204,6 +207,18 @@ class Cluster(WorldKeeper):
             except Exception:  # stopping must go on even if the engines are in a bad state
                 pass
         self._finalizer()
+
+    @property
+    def stopped(self) -> bool:
+        """True once ``stop()`` ran: nothing can run on this pool any more."""
+        return self._stopped
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the pool stops (at once if it already has)."""
+        if self._stopped:
+            callback()
+        else:
+            self._on_stop.append(callback)
 
     def __enter__(self) -> "Cluster":
         return self

@@ -374,3 +374,10 @@ def test_bubble_of_another_shape_fails_naming_the_key():
     report = bubble(trace_events("1f1b", 2, 2), "1f1b", 2, 2).to_dict()
     with pytest.raises(RecordShapeError, match="BubbleReport: unknown key 'idle_mean'"):
         PipelineTimeline(trace_events(pp=2, m=2), {**report, "idle_mean": report["mean"]})
+
+
+def test_memory_view_update_shows_another_run_and_keeps_a_moment_it_has():
+    view = MemoryView(mem_records(dp=4), moment="peak_fwd_bwd")
+    view.update(mem_records(dp=2))
+    assert view.ranks == [0, 1] and view.moment == "peak_fwd_bwd"
+    assert view.bars == _memory_state(mem_records(dp=2))["bars"]

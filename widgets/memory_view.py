@@ -90,6 +90,15 @@ class MemoryView(anywidget.AnyWidget):
             raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
         super().__init__(**state, moment=moment, **kwargs)
 
+    def update(self, records: Any) -> None:
+        """Show another run's records (one message); the moment stays if the new records have it."""
+        state = _memory_state(records)
+        with self.hold_sync():
+            for key, value in state.items():
+                setattr(self, key, value)
+            if state["moments"] and self.moment not in state["moments"]:
+                self.moment = state["moments"][0]
+
 
 def plot_memory(records: Any, moment: str = "at_rest"):
     """Static fallback: per rank a measured stacked bar (gid ``measured:<category>``) beside the predicted
