@@ -8,12 +8,12 @@
 // layout included, is written to `.cl-timeline[data-render-ms]`.
 
 const LABEL = { F: "forward", B: "backward (full)", I: "backward, input grad", W: "backward, weight grad" };
-const LEGEND = [["F", "cl-box", "F forward"], ["B", "cl-box", "B backward (full)"],
-  ["I", "cl-box", "I backward, input grad"], ["W", "cl-box", "W backward, weight grad"],
-  ["wait", "cl-wait", "waiting (hatched): blocked in send/recv/collective before the peer was there"],
-  ["transfer", "cl-transfer", "transfer (solid): data moving, both sides in"],
-  ["optimizer", "cl-comm", "optimizer step"],
-  ["idle", "cl-idle", "idle (blank): no compute on this rank"]]; // fixed order, whatever the data's order
+const LEGEND = [["F", "F forward"], ["B", "B backward (full)"],
+  ["I", "I backward, input grad"], ["W", "W backward, weight grad"],
+  ["wait", "waiting (hatched): blocked in send/recv/collective before the peer was there"],
+  ["transfer", "transfer (solid): data moving, both sides in"],
+  ["optimizer", "optimizer step"],
+  ["idle", "idle (blank): no compute on this rank"]]; // fixed order, whatever the data's order
 
 const pct = (v, span) => `${(100 * v) / span}%`;
 const f3 = (v) => (v === null || v === undefined ? "n/a" : Number(v).toFixed(3));
@@ -96,11 +96,11 @@ function bubbleBox(b, stepMs) {
 
 function legendBox(present, chunks) {
   const legend = h("div", "cl-legend");
-  for (const [key, cls, text] of LEGEND) {
+  for (const [key, text] of LEGEND) {
     if (!present.has(key)) continue;
     const item = h("span", "cl-legend-item");
     item.dataset.kind = key;
-    const sw = h("span", `cl-swatch ${cls}`);
+    const sw = h("span", "cl-swatch"); // styled by data-kind, so a swatch never counts as a box or a strip
     sw.dataset.kind = key;
     item.append(sw, text);
     legend.appendChild(item);
