@@ -210,7 +210,7 @@ def test_a_drawn_config_is_refused_by_name_or_the_ranks_would_accept_it(config):
 FP32_RTOL, BF16_RTOL = {"loss": 1e-4, "norm": 1e-4}, {"loss": 2e-3, "norm": 2e-2}
 
 
-@pytest.mark.slow  # 15 runs on the pool: about a minute on two loaded cores
+# 15 examples, about 13 of them runs on the pool: 30-50 s measured on two loaded cores.
 # Each example is a run on the pool: shrinking a failure would rerun dozens, so it is shown as drawn.
 @settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture])
