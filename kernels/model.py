@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from kernels import layout_rules
+from kernels import config_rules, layout_rules
 from kernels.run_config import RunConfig
 
 
@@ -56,14 +56,12 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
 
     def __post_init__(self) -> None:
-        if self.d_ff is None:
+        if self.d_ff is None and config_rules.is_int(self.d_model):
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        for name in ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.heads:
-            raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by heads={self.heads}")
+        problems = config_rules.model_problems({name: getattr(self, name) for name in config_rules.MODEL_KEYS})
+        problems += config_rules.seed_problems({"seed": self.seed})
+        if problems:
+            raise config_rules.ConfigError(problems)
 
     @property
     def head_dim(self) -> int:
