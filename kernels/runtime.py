@@ -8,6 +8,13 @@ The driver calls these functions on every engine, in two phases, to build a
 2. ``join_world`` on every rank: ``init_process_group`` over that store, then one
    ``all_reduce`` of the ranks' ids to prove that every rank is connected.
 
+Nothing listens beyond the address the driver names (``bind_addr``: loopback when
+every rank is on one host). A bare ``TCPStore`` listens on every interface, so rank 0
+hands it a socket already bound to that address; gloo (and NCCL) listen on the
+interface named by ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME``), which
+``join_world`` sets to the interface holding that address before any group exists,
+so the mesh's sub-groups stay there too.
+
 ``call_guarded`` wraps every user function the driver sends. When the function
 raises (or is interrupted), the guard destroys this rank's process group before it
 re-raises. With gloo, closing a rank's connections makes every peer that waits on it
@@ -28,6 +35,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -74,23 +82,32 @@ def _visible_gpus() -> tuple[str, ...]:
     return tuple(str(i) for i in range(count))
 
 
-def open_store(master_addr: str, world_size: int, timeout_s: float) -> int:
-    """Start the rendezvous store on rank 0 on a free port and return the port."""
+def open_store(bind_addr: str, world_size: int, timeout_s: float) -> int:
+    """Start the rendezvous store on rank 0, listening on ``bind_addr`` only, and return its port."""
     global _master_store
-    _master_store = dist.TCPStore(master_addr, 0, world_size, is_master=True,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    family = socket.getaddrinfo(bind_addr, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind((bind_addr, 0))  # port 0: the OS picks a free one
+        listener.listen()
+        port = listener.getsockname()[1]
+        _master_store = dist.TCPStore(bind_addr, port, world_size, is_master=True,
+                                      timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                                      master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now and closes it when it goes
     return _master_store.port
 
 
 def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     """Join the process group described by ``spec`` and prove it with an all_reduce.
 
-    ``spec`` keys: rank, world_size, backend, device, master_addr, port, threads,
-    timeout_s (collective timeout). Any process group this engine held before is
-    destroyed first, so calling this again rebuilds the world.
+    ``spec`` keys: rank, world_size, backend, device, master_addr, port, bind_addr
+    (the address this rank's sockets listen on), threads, timeout_s (collective
+    timeout). Any process group this engine held before is destroyed first, so
+    calling this again rebuilds the world.
     """
     global _master_store
     leave_world()
+    _listen_only_on(spec["bind_addr"])
     torch.set_num_threads(int(spec["threads"]))
     if spec["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(spec["device"]))
@@ -107,6 +124,23 @@ def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     if probe.item() != expected:
         raise RuntimeError(f"rank {rank}: all_reduce check gave {probe.item()}, expected {expected}")
     return {"rank": rank, "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def _listen_only_on(addr: str) -> None:
+    # By default gloo listens on the address the hostname resolves to, which may be a
+    # public one, and NCCL on the first non-loopback interface. gloo reads its variable
+    # for every group it creates, NCCL when it first starts ("=": an exact name, not a prefix).
+    name = interface_of(addr)
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = "=" + name
+
+
+def interface_of(addr: str) -> str:
+    """The name of this host's network interface that holds ``addr`` (``lo`` for 127.0.0.1 on Linux)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    raise RuntimeError(f"no network interface of {socket.gethostname()} holds the address {addr}")
 
 
 def _device_id(device: str) -> torch.device | None:
@@ -151,8 +185,8 @@ def _clear_chain(error: BaseException | None) -> None:
 
 
 def _selftest(rank: int, world: int, port: int) -> None:
-    join_world({"rank": rank, "world_size": world, "backend": "gloo", "device": "cpu",
-                "master_addr": "127.0.0.1", "port": port, "threads": 1, "timeout_s": 30})
+    join_world({"rank": rank, "world_size": world, "backend": "gloo", "device": "cpu", "master_addr": "127.0.0.1",
+                "port": port, "bind_addr": "127.0.0.1", "threads": 1, "timeout_s": 30})
     print(f"rank {rank}/{world} joined and verified")
     leave_world()
 
