@@ -15,7 +15,10 @@ interface named by ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME``), which
 ``join_world`` sets to the interface holding that address before any group exists,
 so the mesh's sub-groups stay there too.
 
-``call_guarded`` wraps every user function the driver sends. When the function
+``call_guarded`` wraps every user function the driver sends. A function from the
+notebook arrives with the notebook's globals (the driver ships it with cloudpickle);
+names the notebook does not define (``rank``, ``device``, names pushed to the ranks)
+are looked up in this rank's namespace, where ``%%px`` cells find them. When the function
 raises (or is interrupted), the guard destroys this rank's process group before it
 re-raises. With gloo, closing a rank's connections makes every peer that waits on it
 in a collective fail at once with "Connection closed by peer", instead of waiting
@@ -31,7 +34,9 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
 import traceback
+import types
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -164,7 +169,7 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
     collective with it fail fast rather than hang until the collective timeout.
     """
     try:
-        return fn(*args, **kwargs)
+        return _with_rank_names(fn)(*args, **kwargs)
     except BaseException as error:
         # The failed collective's frames hold the process group; clearing their
         # locals lets it be freed (and its sockets closed) now, not when IPython
@@ -172,6 +177,17 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
         _clear_chain(error)
         leave_world()
         raise
+
+
+def _with_rank_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # cloudpickle rebuilds a notebook function (and the notebook functions it calls) on
+    # a fresh globals dict holding only what it read in the notebook; the rank's own
+    # names fill the gaps, and the notebook's values win where both define a name.
+    here = vars(sys.modules["__main__"])  # the engine's namespace: push and %%px write here
+    if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__" and fn.__globals__ is not here:
+        for name, value in here.items():
+            fn.__globals__.setdefault(name, value)
+    return fn
 
 
 def _clear_chain(error: BaseException | None) -> None:
