@@ -137,10 +137,11 @@ class RankFailure(Record):
 
     rank: int
     host: str
-    ename: str  # exception class name, or "EngineDied" (the engine process is gone) / "Timeout"
+    ename: str  # exception class name, or "EngineDied" (the engine process is gone) / "Timeout" / "Killed"
     evalue: str
     traceback: str
-    collateral: bool = False  # failed only because a peer left a collective
+    collateral: bool = False  # failed only because a peer left a collective, or kept waiting for a late one
+    where: str = ""  # the user's own frame with its source lines, as the driver shows it
 
 
 @dataclass(frozen=True)

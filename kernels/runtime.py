@@ -32,17 +32,31 @@ Run alone (two ranks, no ipyparallel)::
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import socket
 import sys
 import traceback
 import types
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from kernels import stack_report
+
+# These torch modules give functions the default argument ``group=dist.group.WORLD``, which
+# Python evaluates once, at the module's first import. Imported while a world exists (training
+# imports them lazily), they would hold that world's process group for good, and with it its
+# gloo connections: a failing rank's leave_world() would then close nothing, and its peers would
+# wait in their collective until the timeout instead of failing at once. describe_engine, the
+# first call on every engine, imports them before any world, so the defaults hold None.
+_MODULES_WITH_WORLD_DEFAULTS = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                                "torch.distributed.fsdp.sharded_grad_scaler")
 
 # The master store must outlive the call that created it until rank 0 joins the
 # world in the next call; after that the process group holds its own reference.
@@ -50,14 +64,20 @@ _master_store: dist.TCPStore | None = None
 # The device this rank computes on, from the rank map: a GPU of its own (NCCL), a shared GPU
 # (gloo with CUDA tensors) or the CPU. None until join_world runs (e.g. under torchrun).
 _rank_device: torch.device | None = None
+_left_groups: list[weakref.ref] = []  # the groups the last leave_world() destroyed
 
 
 def describe_engine(controller_host: str) -> dict[str, Any]:
     """Report this engine's host, reachable address, pid, visible GPUs and cores.
 
     ``controller_host`` is only used to find which local address routes to the
-    controller, which is the address other hosts can reach this engine on.
+    controller, which is the address other hosts can reach this engine on. The engine is
+    also armed to report its stack on the driver's signal (``kernels.stack_report``), and
+    imports the torch modules that would otherwise pin a world (``_MODULES_WITH_WORLD_DEFAULTS``).
     """
+    stack_report.arm()
+    for name in _MODULES_WITH_WORLD_DEFAULTS:
+        importlib.import_module(name)
     return {
         "host": socket.gethostname(),
         "ip": _routable_ip(controller_host),
@@ -167,12 +187,36 @@ def _device_id(device: str) -> torch.device | None:
 
 
 def leave_world() -> bool:
-    """Destroy this engine's process groups (all of them); True if one existed."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        gc.collect()  # drop reference cycles that would keep the group's sockets open
-        return True
-    return False
+    """Destroy this engine's process groups (all of them) and free them; True if one existed.
+
+    A gloo group closes its connections only when the group object itself is freed, and
+    torch keeps groups reachable past ``destroy_process_group``: a failed collective's
+    frames hold its group, and every DeviceMesh holds its groups, while DTensor's caches
+    (sharding propagation, redistribution planners, mesh topology) keep the meshes of
+    earlier runs alive, as may the user's own variables. So if a group survives its
+    destruction, reference cycles are collected, and if one survives even that, it is
+    dropped from every mesh still alive. :func:`lingering_groups` says whether any
+    group survived all of it.
+    """
+    global _left_groups
+    if not dist.is_initialized():
+        return False
+    from torch.distributed import distributed_c10d as c10d  # its group table is private
+
+    _left_groups = [weakref.ref(group) for group in c10d._world.pg_map]
+    dist.destroy_process_group()
+    if lingering_groups():
+        gc.collect()
+    if lingering_groups():  # scanning every object costs a few tenths of a second: only when needed
+        for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):
+            getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's name -> group table
+        gc.collect()
+    return True
+
+
+def lingering_groups() -> int:
+    """How many of the groups the last :func:`leave_world` destroyed are still alive (their connections open)."""
+    return sum(ref() is not None for ref in _left_groups)
 
 
 def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -180,10 +224,13 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
 
     Leaving the world closes this rank's connections, so peers blocked in a
     collective with it fail fast rather than hang until the collective timeout.
+    The failure's frames are kept for the driver (``kernels.stack_report.last_failure``).
     """
+    stack_report.forget_failure()
     try:
         return _with_rank_names(fn)(*args, **kwargs)
     except BaseException as error:
+        stack_report.record_failure(error)
         # The failed collective's frames hold the process group; clearing their
         # locals lets it be freed (and its sockets closed) now, not when IPython
         # drops its reference to the last traceback.

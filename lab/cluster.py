@@ -3,34 +3,38 @@
 ``lab.start()`` / ``lab.connect()`` return a :class:`Cluster`. Every call the
 handle makes on the ranks is supervised (see ``lab.supervise``): a failing rank
 raises :class:`~lab.errors.RankError` naming it, a dead engine is noticed within
-a second, an interrupt signals every busy engine, and the world is rebuilt after
-each failure so the next cell works without restarting the kernel.
+a second and replaced by a warmed spare (``lab.standby``), an interrupt signals
+every busy engine, and the world is rebuilt after each failure so the next cell
+works without restarting the kernel.
 """
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ipyparallel import AsyncResult
 
-from kernels import runtime
+from kernels import runtime, stack_report
 from kernels.records import RankMap, RankStatus
 from lab import cluster_render, launch, px_magic
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
+from lab.failure_report import FailureReporter
+from lab.standby import Standby
 from lab.supervise import Outcome, wait_ranks
 
 if TYPE_CHECKING:
     from widgets import ClusterView
 
 
-class Cluster(WorldKeeper):
+class Cluster(WorldKeeper, FailureReporter):
     """A pool of ranks; use :func:`lab.start` or :func:`lab.connect` to make one."""
 
     def __init__(self, source: launch.EngineSource, *, backend: str = "auto", share_gpu: bool = False,
                  threads_per_rank: int | None = None, timeout: float = 60.0,
-                 collective_timeout: float = 300.0, activate: bool = True) -> None:
+                 collective_timeout: float = 300.0, activate: bool = True, spare_engines: int = 0) -> None:
         self._source = source
         self._backend_request = backend
         self._share_gpu = share_gpu
@@ -46,7 +50,10 @@ class Cluster(WorldKeeper):
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
+            # Only a pool the lab started can start engines; an attached pool gets no spares.
+            self._standby = Standby(source, spare_engines if source.owned else 0, self._controller_host())
             self._form_world()
+            self._standby.refill()
         except BaseException:
             self.stop()
             raise
@@ -77,6 +84,11 @@ class Cluster(WorldKeeper):
         """Every process the lab started for this pool (empty for an attached pool)."""
         return set(self._source.pids)
 
+    def spares(self) -> int:
+        """Spare engines started and warmed, ready to replace a rank whose engine dies (see ``lab.standby``)."""
+        self._standby.warm({r.engine_id for r in self._rank_map.ranks})
+        return self._standby.ready
+
     def status(self) -> list[RankStatus]:
         """One row per rank: where it runs, what state it is in, and its resident memory."""
         return [RankStatus(r.rank, r.host, r.pid, r.device, r.backend, self._threads,
@@ -106,12 +118,14 @@ class Cluster(WorldKeeper):
         """Run ``fn(*args, **kwargs)`` on the ranks and return their results.
 
         Returns a list indexed by rank when ``ranks`` is None, else a dict keyed by
-        rank. Raises :class:`RankError` (the cause first, with its host and remote
-        traceback), :class:`RankTimeoutError` when ``timeout`` seconds pass, or
-        :class:`DeadRankError` when an engine dies. After any of these the world is
-        rebuilt on every live rank before the error is raised.
+        rank. Raises :class:`RankError` (the cause first, with its host and its own
+        frame), :class:`RankTimeoutError` naming the ranks that kept the others
+        waiting when ``timeout`` seconds pass, or :class:`DeadRankError` when an
+        engine dies. Before any of these is raised the world is rebuilt, lost engines
+        replaced, and the error's ``recovery`` says what that took.
         """
         targets = self._targets(ranks)
+        self._standby.warm({r.engine_id for r in self._rank_map.ranks})
         pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
@@ -121,12 +135,15 @@ class Cluster(WorldKeeper):
             out = wait_ranks(pending, self._is_dead, deadline=deadline,
                              on_slice=self._notify if self._watchers else None)
         except KeyboardInterrupt:
-            self._recover(Outcome(pending=dict(pending)), interrupt=True)
+            recovery = self._recover(Outcome(pending=dict(pending)), interrupt=True)
+            self._states = {r: ("dead", "engine process is gone") for r in self._dead}
             self._notify()
+            if recovery.killed or not recovery.rebuilt:
+                warnings.warn(f"after the interrupt: {recovery.summary()}", RuntimeWarning, stacklevel=2)
             raise
         if not out.clean:
             try:
-                self._raise_after_recovery(out, timed_out=out.deadline_hit)
+                self._raise_after_recovery(out, timeout=timeout)
             finally:
                 self._notify()
         for r in targets:
@@ -183,6 +200,7 @@ class Cluster(WorldKeeper):
             source.pids |= launch.launched_pids(source.ipp_cluster)
             source.ipp_cluster.stop_engines_sync()
             self._kill_leftovers(set(r.pid for r in self._rank_map.ranks))
+            self._standby.forget_all(old)
             source.ipp_cluster.start_engines_sync(n)
             source.pids |= launch.launched_pids(source.ipp_cluster)
         else:
@@ -191,6 +209,7 @@ class Cluster(WorldKeeper):
         self._dead.clear()
         self._adopt_engines(new_ids)
         self._form_world()
+        self._standby.refill()
         return self
 
     def stop(self) -> None:
@@ -207,6 +226,8 @@ class Cluster(WorldKeeper):
             except Exception:  # stopping must go on even if the engines are in a bad state
                 pass
         self._finalizer()
+        for pid in self._source.pids:
+            stack_report.remove_dump(pid)
 
     @property
     def stopped(self) -> bool:
@@ -242,9 +263,11 @@ class Cluster(WorldKeeper):
 
     def _targets(self, ranks: Iterable[int] | None) -> list[int]:
         self._check_not_stopped()
-        if self._dead:
+        if self._dead and self._source.owned:
+            self._finish_recovery()  # ranks lost in the last failure get the engines started for them
+        elif self._dead:
             names = ", ".join(f"rank {r} ({self._rank_map.ranks[r].host})" for r in sorted(self._dead))
-            raise LabError(f"{names} died earlier; call cluster.restart() to bring the world back")
+            raise LabError(f"{names} died earlier; restart the engines with ipcluster, then call cluster.restart()")
         targets = list(range(self.world_size)) if ranks is None else list(ranks)
         bad = [r for r in targets if not 0 <= r < self.world_size]
         if bad:

@@ -2,28 +2,46 @@
 
 ``WorldKeeper`` is the part of ``lab.cluster.Cluster`` that numbers the engines as
 ranks (``lab.rank_map``), opens the store and joins every rank to the process group,
-and recovers from a failed call: peers get a grace period to fail on their own, ranks
-still running are sent SIGINT, and ranks wedged even then are killed (only engines the
-lab started) and the pool restarted. It works on the Cluster's state (``_source``,
-``_rank_map``, ``_views``, ``_dead``, ``_states`` ...) and its ``_is_dead``,
-``_engine_of`` and ``restart``.
+and recovers from a failed call (``_recover``):
+
+1. ranks that already returned leave the world, so peers waiting on them fail at once;
+2. the other ranks get a grace period to fail on their own (a failing rank's guard
+   closes its connections, so its peers fail within a second or so);
+3. ranks still running are sent SIGINT;
+4. ranks wedged even then (blocked inside a collective whose peers are all alive) are
+   killed, only if the lab started their engines;
+5. every rank whose engine died or was killed gets a warmed spare engine in its place
+   (``lab.standby``), with the same rank number, host and device;
+6. the world is formed again on every rank.
+
+When more ranks are lost than spares are ready, the error is raised at once, saying
+so, and the next call waits for the new engines and forms the world first
+(``_finish_recovery``): the user hears within seconds what happened, and no call
+needs a restart.
+
+It works on the Cluster's state (``_source``, ``_rank_map``, ``_views``, ``_dead``,
+``_states``, ``_standby`` ...) and its ``_is_dead``, ``_engine_of`` and ``restart``.
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import time
 import warnings
 from typing import Iterable
 
-from kernels import runtime
-from lab import launch
-from lab.errors import DeadRankError, LabError, RankError, RankTimeoutError
-from lab.rank_map import build_rank_map
+from kernels import runtime, stack_report
 from kernels.records import EngineInfo, RankMap
+from lab import launch
+from lab.errors import LabError, RankError, Recovery
+from lab.rank_map import build_rank_map
+from lab.standby import engine_info
 from lab.supervise import Outcome, describe_failures, wait_ranks
 
-GRACE_S = 3.0  # how long peers get to fail on their own once one rank has failed
+GRACE_S = 1.0  # how long peers get to fail on their own once one rank has failed
+INTERRUPT_S = 1.5  # how long a rank gets to return after SIGINT before it counts as wedged
+SPARE_WAIT_S = 1.0  # how long recovery waits for a spare still warming up; lost ranks beyond wait for the next call
 
 
 class OversubscribedWarning(UserWarning):
@@ -36,18 +54,25 @@ class WorldKeeper:
     def _adopt_engines(self, engine_ids: Iterable[int] | None = None, *, warn: bool = False) -> None:
         """Ask the engines who they are and number the ranks (``lab.rank_map.build_rank_map``)."""
         client = self._source.client
-        controller_host = client._config.get("interface", "tcp://127.0.0.1").split("//")[-1]
         ids = sorted(client.ids if engine_ids is None else engine_ids)
-        described = client[ids].apply_sync(runtime.describe_engine, controller_host)
-        infos = [EngineInfo(engine_id=eid, host=d["host"], ip=d["ip"], pid=d["pid"],
-                            gpus=tuple(d["gpus"]), cpu_count=d["cpu_count"]) for eid, d in zip(ids, described)]
-        self._rank_map = build_rank_map(infos, self._backend_request, share_gpu=self._share_gpu)
-        self._views = {r.rank: client[r.engine_id] for r in self._rank_map.ranks}
-        # Only this machine's engines can be checked by PID; others rely on ipyparallel's heartbeat.
-        here = socket.gethostname()
-        self._local_pids = {r.pid for r in self._rank_map.ranks if r.host == here}
+        described = client[ids].apply_sync(runtime.describe_engine, self._controller_host())
+        infos = [engine_info(eid, d) for eid, d in zip(ids, described)]
+        self._set_rank_map(build_rank_map(infos, self._backend_request, share_gpu=self._share_gpu))
         self._threads = self._pick_threads(infos, warn)
         self._states = {}
+
+    def _controller_host(self) -> str:
+        return self._source.client._config.get("interface", "tcp://127.0.0.1").split("//")[-1]
+
+    def _set_rank_map(self, rank_map) -> None:
+        self._rank_map = rank_map
+        # A rank still waiting for an engine keeps the view of its dead one (ipyparallel refuses new views of it).
+        views = getattr(self, "_views", {})
+        self._views = {r.rank: views[r.rank] if r.rank in views and views[r.rank].targets == r.engine_id
+                       else self._source.client[r.engine_id] for r in rank_map.ranks}
+        # Only this machine's engines can be checked by PID; others rely on ipyparallel's heartbeat.
+        here = socket.gethostname()
+        self._local_pids = {r.pid for r in rank_map.ranks if r.host == here}
 
     def _pick_threads(self, infos: list[EngineInfo], warn: bool) -> int:
         per_host = self._rank_map.hosts()
@@ -70,8 +95,9 @@ class WorldKeeper:
             "timeout_s": self._collective_timeout}) for r in rm.ranks}
         out = wait_ranks(pending, self._is_dead, deadline=time.monotonic() + self._timeout)
         if not out.clean:
-            failures = describe_failures(out, rm, timed_out=set(out.pending))
-            raise RankError(failures, "could not bring up the process group: " + failures[0].evalue)
+            failures = describe_failures(out, rm, late={r: None for r in out.pending})
+            raise RankError(failures, "could not bring up the process group: " + failures[0].evalue,
+                            Recovery(rebuilt=False, why_not="call cluster.restart() to start over"))
         for r in rm.ranks:
             self._views[r.rank].push({"rank": r.rank, "world": rm.world_size, "local_rank": r.local_rank,
                                       "device": r.device}, block=False)
@@ -80,51 +106,89 @@ class WorldKeeper:
         if self._activate and _in_ipython():
             self.activate()
 
-    def _recover(self, out: Outcome, *, interrupt: bool = False) -> set[int]:
-        """Bring every live rank back to idle and rebuild the world; return the ranks the lab interrupted.
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, out: Outcome, *, interrupt: bool = False) -> Recovery:
+        """Bring every rank back to idle and the world back whole (module docstring); say what it took.
 
-        Peers of a failed rank normally fail on their own within the grace period.
-        Ranks still running after it are sent SIGINT; ranks wedged in a collective
-        even then are killed (only engines the lab started) and the whole pool is
-        restarted, so the user is never left with a hung pool.
+        With ``interrupt`` (a timeout, or the user's interrupt) there is no grace
+        period: nobody is going to fail on their own. Ranks still running when this
+        returns were neither interruptible nor killable (an attached pool's engines).
         """
-        interrupted: set[int] = set()
+        self._release_waiters(out)
         if out.pending and not interrupt:
             wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
+        interrupted = tuple(sorted(out.pending))
         if out.pending:
-            interrupted = set(out.pending)
-            self._signal_ranks(interrupted, signal.SIGINT)
-            wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
-        # ipyparallel may fail a killed engine's task (EngineError) before its heartbeat
-        # unregisters it, so the death shows up only now: count it as a death, not an error.
+            self._signal_ranks(set(out.pending), signal.SIGINT)
+            wait_ranks({}, self._is_dead, deadline=time.monotonic() + INTERRUPT_S, stop_on_failure=False, outcome=out)
+        killed = tuple(sorted(out.pending)) if self._source.owned else ()
+        if killed:
+            self._kill_and_wait({self._rank_map.ranks[r].pid for r in killed})
+            out.pending.clear()
+        self._count_deaths(out, set(killed))
+        lost = out.dead | set(killed)
+        if out.pending:
+            return Recovery(interrupted, rebuilt=False, why_not=(
+                f"{_names(out.pending)} are still blocked and this pool's engines were not started by the lab, so it "
+                "will not kill them; restart them with ipcluster, then call cluster.restart()"))
+        if lost and not self._source.owned:
+            self._dead |= out.dead
+            return Recovery(interrupted, killed, rebuilt=False, why_not=(
+                "the lab did not start this pool's engines, so it cannot replace them; restart them with "
+                "ipcluster, then call cluster.restart()"))
+        self._dead |= lost
+        replaced: dict[int, tuple[int, int]] = {}
+        try:
+            replaced = self._replace_ranks(SPARE_WAIT_S)
+            if self._dead:  # more ranks lost than spares were ready: the next call finishes the job
+                return Recovery(interrupted, killed, replaced, tuple(sorted(self._dead)), rebuilt=False)
+            self._form_world()
+        except LabError as error:
+            return Recovery(interrupted, killed, replaced, rebuilt=False,
+                            why_not=f"{str(error).splitlines()[0]}; call cluster.restart() to start over")
+        return Recovery(interrupted, killed, replaced)
+
+    def _finish_recovery(self) -> None:
+        """Give the ranks that still have no engine one each, waiting for engines to start, and rebuild the world."""
+        self._replace_ranks(self._timeout)
+        if self._dead:
+            raise LabError(f"{_names(self._dead)} still {'has' if len(self._dead) == 1 else 'have'} no engine after "
+                           f"{self._timeout:g} s; call cluster.restart() to start over")
+        self._form_world()
+        self._states = {}
+
+    def _release_waiters(self, out: Outcome) -> None:
+        """Ranks that returned leave the world, closing their connections, so ranks still waiting on them fail."""
+        if out.pending and out.results:
+            for rank in out.results:
+                self._views[rank].apply_async(runtime.leave_world)
+
+    def _count_deaths(self, out: Outcome, killed: set[int]) -> None:
+        # ipyparallel may fail a dead engine's task (EngineError) before its heartbeat
+        # unregisters it, so a death may show up only now: count it as a death, not an error.
         for rank in range(self.world_size):
-            if rank not in out.dead and self._is_dead(rank):
+            if rank not in out.dead and rank not in killed and self._is_dead(rank):
                 out.errors.pop(rank, None)
                 out.pending.pop(rank, None)
                 out.dead.add(rank)
-        self._dead |= out.dead
-        if out.pending and self._source.owned:
-            self._kill_leftovers({self._rank_map.ranks[r].pid for r in out.pending})
-            self.restart()
-        elif not self._dead:
-            self._form_world()
-        self._states = {r: ("dead", "engine process is gone") for r in self._dead}
-        return interrupted
 
-    def _raise_after_recovery(self, out: Outcome, *, timed_out: bool) -> None:
-        late = set(out.pending) if timed_out else set()
-        interrupted = self._recover(out)
-        failures = describe_failures(out, self._rank_map, interrupted=interrupted - late, timed_out=late)
-        if failures[0].rank not in self._dead:
-            self._states[failures[0].rank] = ("failed", f"{failures[0].ename}: {failures[0].evalue}"[:200])
-        if out.dead:
-            dead = ", ".join(f"rank {f.rank} ({f.host})" for f in failures if f.ename == "EngineDied")
-            raise DeadRankError(failures, f"{dead} died; call cluster.restart() to bring the world back")
-        if timed_out:
-            names = ", ".join(f"rank {r} ({self._rank_map.ranks[r].host})" for r in sorted(late))
-            raise RankTimeoutError(failures, f"{names} did not finish within the timeout; they were "
-                                             "interrupted and the world was rebuilt")
-        raise RankError(failures)
+    def _replace_ranks(self, wait_s: float) -> dict[int, tuple[int, int]]:
+        """Put a warmed spare engine in place of each rank in ``_dead`` (same number, host, device), waiting
+        at most ``wait_s`` for spares; returns rank -> (old pid, new pid). Ranks left without one stay in ``_dead``."""
+        old = self._rank_map
+        self._standby.retire({old.ranks[r].engine_id for r in self._dead})
+        spares = self._standby.take(len(self._dead), {r.engine_id for r in old.ranks}, wait_s)
+        ranks, replaced = list(old.ranks), {}
+        for rank, spare in zip(sorted(self._dead), spares):
+            if spare.host != old.ranks[rank].host:
+                raise LabError(f"the spare engine for rank {rank} runs on {spare.host}, not {old.ranks[rank].host}")
+            ranks[rank] = dataclasses.replace(old.ranks[rank], engine_id=spare.engine_id, pid=spare.pid)
+            replaced[rank] = (old.ranks[rank].pid, spare.pid)
+            stack_report.remove_dump(old.ranks[rank].pid)
+        self._set_rank_map(dataclasses.replace(old, ranks=tuple(ranks)))
+        self._dead -= set(replaced)
+        self._standby.refill()
+        return replaced
 
     def _signal_ranks(self, ranks: set[int], sig: int) -> None:
         local = socket.gethostname()
@@ -137,6 +201,12 @@ class WorldKeeper:
     def _kill_leftovers(self, pids: set[int]) -> None:
         alive = {p for p in pids if launch.is_alive(p)}
         launch.signal_pids(alive, self._source.pids, signal.SIGKILL)
+
+    def _kill_and_wait(self, pids: set[int], wait_s: float = 2.0) -> None:
+        self._kill_leftovers(pids)
+        deadline = time.monotonic() + wait_s
+        while any(launch.is_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _wait_for_new_engines(self, n: int, old: set[int]) -> list[int]:
         deadline = time.monotonic() + self._timeout
@@ -158,6 +228,11 @@ def listen_addresses(rank_map: RankMap) -> list[str]:
     if len(rank_map.hosts()) == 1:
         return ["127.0.0.1"] * rank_map.world_size
     return [r.ip for r in rank_map.ranks]
+
+
+def _names(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _in_ipython() -> bool:

@@ -7,7 +7,7 @@ from lab.cluster import Cluster, default_rank_count
 
 def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | None = None,
           timeout: float = 60.0, *, share_gpu: bool = False, controller_ip: str = "127.0.0.1",
-          collective_timeout: float = 300.0, activate: bool = True) -> Cluster:
+          collective_timeout: float = 300.0, activate: bool = True, spare_engines: int = 1) -> Cluster:
     """Start ``n`` engines on this machine and build a torch.distributed world on them.
 
     Args:
@@ -21,16 +21,22 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
         controller_ip: where the controller listens; loopback unless you need other hosts.
         collective_timeout: seconds a collective may wait before torch gives up.
         activate: point IPython's ``%%px`` at the ranks when running in IPython.
+        spare_engines: engines kept started and warmed beside the ranks; a rank whose engine
+            dies (or is killed, wedged) takes one over in about a second instead of the 5-8 s
+            a fresh engine needs, so the error comes with the world already rebuilt.
     """
     n = default_rank_count() if n is None else n
     if n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n}")
+    if spare_engines < 0:
+        raise ValueError(f"spare_engines must be 0 or more, got {spare_engines}")
     # Like torchrun, cap each engine's OpenMP pool before it starts; torch threads are set again per rank.
     threads = threads_per_rank or 1
     source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout,
                                 engine_env={"OMP_NUM_THREADS": str(threads)})
     return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
-                   timeout=timeout, collective_timeout=collective_timeout, activate=activate)
+                   timeout=timeout, collective_timeout=collective_timeout, activate=activate,
+                   spare_engines=spare_engines)
 
 
 def connect(profile: str | None = None, cluster_id: str | None = None, *, url_file: str | None = None,

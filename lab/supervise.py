@@ -86,27 +86,48 @@ def _collect(out: Outcome, rank: int, ar: AsyncResult) -> None:
 
 
 def describe_failures(out: Outcome, rank_map: RankMap, *, interrupted: set[int] = frozenset(),
-                      timed_out: set[int] = frozenset()) -> list[RankFailure]:
+                      killed: set[int] = frozenset(), late: dict[int, str | None] | None = None,
+                      skipped: set[int] = frozenset(), where: dict[int, str] | None = None, stacks: dict[int, str] | None = None) -> list[RankFailure]:
     """Turn an outcome into failures, the cause first.
 
     The cause is the earliest failure that is not collateral; a rank is collateral
-    when its error says a peer left, or when the lab itself interrupted it.
+    when its error says a peer left, when the lab itself interrupted or killed it,
+    or, after a timeout, when it was waiting in a collective for a late rank.
+    ``late`` maps each rank still running at a timeout to the collective it was
+    waiting in (None: in none), and ``skipped`` are ranks that returned while the
+    late ones waited in a collective for them; ``where`` holds each rank's rendered user frame and
+    ``stacks`` the plain stack of late ranks that have no traceback of their own.
     """
+    late, where, stacks = late or {}, where or {}, stacks or {}
     hosts = {r.rank: r.host for r in rank_map.ranks}
     pids = {r.rank: r.pid for r in rank_map.ranks}
-    failures = []
-    for rank in sorted(out.dead):
-        failures.append((0.0, RankFailure(rank, hosts[rank], "EngineDied",
-                                          f"the engine process (pid {pids[rank]}) on {hosts[rank]} is gone", "")))
+    held_up = bool(skipped) or any(c is None for c in late.values())  # someone kept the waiting ranks waiting
+    rows: list[tuple[float, RankFailure]] = []
+    for rank in sorted(out.dead - set(late)):
+        rows.append((0.0, RankFailure(rank, hosts[rank], "EngineDied",
+                                      f"the engine process (pid {pids[rank]}) on {hosts[rank]} is gone", "")))
+    for rank, collective in sorted(late.items()):
+        tb = _remote_parts(out.errors[rank])[2] if rank in out.errors else stacks.get(rank, "")
+        evalue = (f"waited in {collective} until the timeout" if collective
+                  else "did not finish within the timeout, outside any collective")
+        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout", evalue, tb,
+                                               collateral=bool(collective) and held_up, where=where.get(rank, ""))))
+    for rank in sorted(skipped):
+        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout",
+                                               "returned while its peers still waited in a collective for it", "")))
     for rank, error in out.errors.items():
+        if rank in late:
+            continue
         ename, evalue, tb = _remote_parts(error)
         # The peer-left message may sit in the chained context that the traceback prints.
-        collateral = rank in interrupted or any(m in evalue or m in tb for m in _PEER_LEFT)
-        failures.append((out.finished_at.get(rank, 0.0), RankFailure(rank, hosts[rank], ename, evalue, tb, collateral)))
-    for rank in sorted(timed_out - set(out.errors) - out.dead):
-        failures.append((float("inf"), RankFailure(rank, hosts[rank], "Timeout", "did not finish in time", "")))
-    failures.sort(key=lambda pair: (pair[1].collateral, pair[0]))
-    return [f for _, f in failures]
+        collateral = rank in interrupted or rank in killed or any(m in evalue or m in tb for m in _PEER_LEFT)
+        rows.append((out.finished_at.get(rank, 0.0),
+                     RankFailure(rank, hosts[rank], ename, evalue, tb, collateral, where.get(rank, ""))))
+    for rank in sorted(killed - set(late) - set(out.errors) - out.dead):
+        rows.append((float("inf"), RankFailure(rank, hosts[rank], "Killed",
+                                               "still blocked after SIGINT, so its engine was killed", "", True)))
+    rows.sort(key=lambda pair: (pair[1].collateral, pair[0], pair[1].rank))
+    return [f for _, f in rows]
 
 
 def _remote_parts(error: BaseException) -> tuple[str, str, str]:

@@ -133,18 +133,6 @@ def shared_pool_left_healthy(request):
 
 
 @pytest.fixture
-def fresh_world(cluster):
-    """A new process group on the shared 4-rank pool, for tests that time how a rank failure spreads.
-
-    After a training run on a world, a rank that fails no longer closes its peers' connections when it
-    leaves (they wait out the grace periods and get killed: about 15 s instead of under 1 s), while a
-    world formed afresh fails fast; tests of fail-fast recovery start from the world a new pool has.
-    """
-    cluster._form_world()
-    return cluster
-
-
-@pytest.fixture
 def one_thread():
     """Two cores are shared with the ranks and other jobs: one-process work runs on one thread, like each rank."""
     old = torch.get_num_threads()

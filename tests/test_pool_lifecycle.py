@@ -95,7 +95,6 @@ def test_controller_is_on_loopback_signed_and_its_files_are_private(cluster):
     assert files and all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)
 
 
-@pytest.mark.usefixtures("fresh_world")
 def test_cluster_view_follows_a_call_live_and_marks_a_failed_rank_red(cluster):
     view = cluster.view()
     seen = []

@@ -122,16 +122,20 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     """
     _clear_dtensor_caches()
     world = dist.group.WORLD
+    roots = [mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh for mesh in meshes
+             if mesh is not None and mesh.get_coordinate() is not None]  # a non-member created no groups here
     seen: dict[int, dist.ProcessGroup] = {}
-    for mesh in meshes:
-        if mesh is None or mesh.get_coordinate() is None:  # not a member: it created no groups here
-            continue
-        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    for root in roots:
         for group in [*root.get_all_groups(), *getattr(root, "_pg_registry", {}).values()]:
             if group is not None and group is not world:
                 seen.setdefault(id(group), group)
     for group in seen.values():
         dist.destroy_process_group(group)
+    # A gloo group closes its connections only once freed, and DTensor's other caches keep
+    # meshes alive across runs: without this each run would leave its groups' sockets open,
+    # and a mesh over the whole world would keep the world's group alive after it is destroyed.
+    for root in roots:
+        getattr(root, "_pg_registry", {}).clear()
     return len(seen)
 
 
