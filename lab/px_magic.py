@@ -19,6 +19,7 @@ waiting in a collective block the next cell. These magics run the cell through
 from __future__ import annotations
 
 import argparse
+import linecache
 import sys
 import weakref
 from typing import TYPE_CHECKING, TextIO
@@ -96,6 +97,8 @@ class PxMagics(Magics):
         code = self.shell.transform_cell(source)  # IPython syntax (%magics, !commands) becomes Python
         name = f"<%%px cell {self.shell.execution_count}>"
         compile(code, name, "exec")  # a syntax error is raised here, before anything runs on a rank
+        # The ranks' frames name the cell; its lines live here, for the error to show them.
+        linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
         try:
             outputs = cluster.run(cell.run_cell, code, name, ranks=ranks, timeout=timeout)
         except RankError as error:
