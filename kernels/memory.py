@@ -34,8 +34,11 @@ so gradient buffers live across steps, as the ZeRO formulas assume):
 Activations (``SavedActivations``): a ``torch.autograd.graph.saved_tensors_hooks``
 pack hook sees every tensor autograd saves in forward; the bytes of the unique
 storages behind them, leaving out parameters' storages, are the activations held at
-the end of forward (autograd keeps them all until backward uses them). On CUDA,
-``torch.cuda.max_memory_allocated`` is reported too (``None`` on CPU).
+the end of forward (autograd keeps them all until backward uses them). On CUDA the
+allocator's own figures are reported beside them (``None`` on CPU):
+``torch.cuda.memory_allocated`` at the moment (``cuda_allocated``: every live tensor,
+the tensors counted above included) and ``torch.cuda.max_memory_allocated`` since the
+measured step began (``cuda_max_allocated``).
 
 Run alone (one rank, prints both moments for the tiny GPT)::
 
@@ -149,9 +152,10 @@ class SavedActivations:
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, moment: str,
              activations: int | None = None, device: torch.device | None = None) -> dict[str, Any]:
-    """One memory record: the model states now, the saved activations and, on CUDA, the allocator peak."""
+    """One memory record: the model states now, the saved activations and, on CUDA, the allocator's now and peak."""
     out: dict[str, Any] = {"moment": moment, **model_state_bytes(model, optimizer), "activations": activations}
     cuda = device is not None and device.type == "cuda"
+    out["cuda_allocated"] = int(torch.cuda.memory_allocated(device)) if cuda else None
     out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     return out
 

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from kernels import layout_rules
+from kernels import config_rules, layout_rules
 from kernels.run_config import RunConfig
 
 
@@ -56,14 +56,12 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
 
     def __post_init__(self) -> None:
-        if self.d_ff is None:
+        if self.d_ff is None and config_rules.is_int(self.d_model):
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        for name in ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.heads:
-            raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by heads={self.heads}")
+        problems = config_rules.model_problems({name: getattr(self, name) for name in config_rules.MODEL_KEYS})
+        problems += config_rules.seed_problems({"seed": self.seed})
+        if problems:
+            raise config_rules.ConfigError(problems)
 
     @property
     def head_dim(self) -> int:
@@ -189,8 +187,11 @@ def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any
                                    output_layouts=Shard(0) if sequence_parallel else Replicate()),
         # Column-parallel head: all_gather of the input (SP) then vocab-sharded logits;
         # without loss_parallel the logits are all_gathered to (B, T, V) on every rank.
+        # They leave the model as a DTensor and loss_fn takes the local tensor: to_local()
+        # returns a view, and an FSDP2 unit that returns a view loses its pre-backward
+        # hook to any in-place op on it (torch warns on every forward).
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=not loss_parallel),
+                                   use_local_output=False),
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
@@ -261,7 +262,13 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over all B*T tokens; logits (B, T, V), targets (B, T)."""
+    """Cross-entropy averaged over all B*T tokens; logits (B, T, V), targets (B, T).
+
+    Under TP the logits are a DTensor: replicated (each rank holds them whole, so the
+    loss is its local tensor's) or, with loss_parallel, sharded on the vocab dim.
+    """
+    if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
+        logits = logits.to_local()
     # .float(): compute the softmax in fp32 even when the logits are bf16.
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 

@@ -145,6 +145,16 @@ class RankFailure(Record):
 
 
 @dataclass(frozen=True)
+class CellOutput(Record):
+    """What one rank's run of a ``%%px`` cell wrote and displayed, and the value of its last expression."""
+
+    stdout: str = ""
+    stderr: str = ""
+    displays: tuple[dict[str, Any], ...] = ()  # mime bundles of the cell's display() calls, in order
+    value: dict[str, Any] | None = None  # mime bundle of the last expression's value; None when it has none
+
+
+@dataclass(frozen=True)
 class TraceEvent(Record):
     """One timed action on one rank, in seconds since rank 0's epoch (aligned clocks).
 
@@ -207,13 +217,13 @@ class MemoryRecord(Record):
 
     moment: "at_rest" (after optimizer.step, before zero_grad) | "peak_fwd_bwd" (forward
     done, backward not started). category: params | grads | optimizer | activations |
-    cuda_max_allocated. Bytes throughout.
+    cuda_allocated (the allocator now) | cuda_max_allocated (its peak in the step). Bytes throughout.
     """
 
     rank: int
     moment: str
     category: str
-    measured: int | None  # None: not measurable here (cuda_max_allocated on CPU)
+    measured: int | None  # None: not measurable here (the cuda_* categories on CPU)
     predicted: float | None  # the exact rule: chunk/padding, ZeRO-1 greedy partition, step scalars
     formula: float | None  # The ZeRO formula of docs/design.md#zero-formulas for the dtypes held (fp32: 4Ψ, 4Ψ, K=8)
     note: str = ""  # why predicted differs from formula (padding, partition, step scalars, TP)

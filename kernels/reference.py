@@ -7,9 +7,11 @@ Regularization") on the whole global batch in one process: the same initial weig
 same optimizer hyper-parameters as ``kernels.train.train_rank``. A parallel layout is
 correct when its per-step global losses and final gathered parameters match these.
 
-``mixed_precision="bf16"`` emulates FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``: each step runs forward and backward on a bf16 copy of the fp32
-master weights, and AdamW updates the fp32 masters with the upcast gradients.
+``mixed_precision="bf16"`` emulates what the layout does (``Strategy.autocast``): where
+FSDP2 syncs gradients, its ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+so each step runs forward and backward on a bf16 copy of the fp32 master weights and
+AdamW updates the fp32 masters with the upcast gradients; everywhere else the model's
+forward runs under bf16 ``torch.autocast``, as on the ranks.
 
 Run alone (prints the reference losses for the default tiny model)::
 
@@ -24,6 +26,8 @@ import torch
 
 from kernels.data import dataset, microbatches
 from kernels.model import build_gpt, loss_fn, model_config
+from kernels.parallel.autocast import apply_autocast
+from kernels.parallel.strategy import run_strategy
 from kernels.run_config import RunConfig
 
 
@@ -38,7 +42,10 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     model = build_gpt(model_config(run))
     optimizer = torch.optim.AdamW(model.parameters(), **run.adamw_kwargs())
     data = dataset(run)
-    bf16 = run.mixed_precision == "bf16"
+    autocast = run_strategy(run)[1].autocast
+    if autocast:
+        apply_autocast(model, "cpu")
+    bf16 = run.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
     n_micro = (run.microbatches or 1) if run.pp == 1 else 1
     losses, norms = [], []
     for step in range(run.steps):

@@ -1,9 +1,11 @@
 """``RunConfig``: the typed, validated configuration of one training run on the ranks (torch-free).
 
 Built once (by ``lab.experiment`` from ``lab.Parallel`` and the Experiment's arguments,
-or by the torchrun CLI of ``kernels.train``), validated once at construction, and sent
+or by the torchrun CLI of ``kernels.train``), validated once at construction against the
+named rules of ``kernels.config_rules`` (a ``ConfigError`` names every broken one), and sent
 to the ranks as the plain dict ``to_dict()`` gives; each rank rebuilds it with
-``from_dict``. Both come from ``kernels.records.Record``, so an unknown key is refused by name. The JSON round trip is exact: ``from_dict(json.loads(json.dumps(c.to_dict()))) == c``.
+``from_dict``. Both come from ``kernels.records.Record``, so an unknown key is refused by
+name. The JSON round trip is exact: ``from_dict(json.loads(json.dumps(c.to_dict()))) == c``.
 
 Run alone (prints a config's dict)::
 
@@ -11,15 +13,17 @@ Run alone (prints a config's dict)::
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernels import config_rules as rules
 from kernels import layout_rules
 from kernels.records import Record
 
-MODEL_KEYS = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff", "bias")
-MIXED_PRECISION = (None, "bf16")
-
+# The switches: each must be True or False.
+FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload", "compile", "return_params",
+         "record_grad_norm", "measure", "trace")
 
 @dataclass(frozen=True)
 class RunConfig(Record):
@@ -62,50 +66,64 @@ class RunConfig(Record):
     align_rounds: int = 4
 
     def __post_init__(self) -> None:
+        problems = run_problems(self)
+        if problems:
+            raise rules.ConfigError(problems)
+        # JSON gives lists; the record keeps tuples (and its own copy of the model dict).
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.ranks_per_host is not None:
             object.__setattr__(self, "ranks_per_host", tuple(self.ranks_per_host))
         object.__setattr__(self, "model", dict(self.model))
-        _validate(self)
 
     @property
     def dataset_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
 
-    def adamw_kwargs(self) -> dict[str, Any]:
-        """AdamW's hyper-parameters, the same for the reference and every layout (foreach off: one kernel)."""
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "foreach": False}
+    def adamw_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
+        """AdamW's hyper-parameters and kernel on ``device_type``, the same for the reference and every layout.
+
+        CUDA takes the fused kernel, as torch users set it; CPU keeps the per-parameter loop
+        (foreach off), so the reference and the ranks run one kernel and match exactly.
+        """
+        kernel = {"fused": True} if device_type == "cuda" else {"foreach": False}
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay, **kernel}
 
 
-def _validate(c: RunConfig) -> None:
-    for name in ("dp", "tp", "pp", "steps", "global_batch", "align_rounds"):
-        _positive(name, getattr(c, name))
-    for name in ("world_size", "dp_replicate", "microbatches", "stages_per_rank"):
-        if getattr(c, name) is not None:
-            _positive(name, getattr(c, name))
-    if c.zero not in (0, 1, 2, 3) or isinstance(c.zero, bool):
-        raise ValueError(f"RunConfig: zero must be 0, 1, 2 or 3, got {c.zero!r}")
-    if c.fsdp_strategy is not None and c.fsdp_strategy not in layout_rules.FSDP_STRATEGY_ZERO:
-        raise ValueError(f"RunConfig: fsdp_strategy must be None or one of "
-                         f"{tuple(layout_rules.FSDP_STRATEGY_ZERO)}, got {c.fsdp_strategy!r}")
-    if not isinstance(c.compile, bool):
-        raise ValueError(f"RunConfig: compile must be True or False, got {c.compile!r}")
-    if c.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"RunConfig: mixed_precision must be None or 'bf16', got {c.mixed_precision!r}")
-    layout_rules.canonical_schedule(c.schedule)
-    bad = sorted(set(c.model) - set(MODEL_KEYS))
-    if bad:
-        raise ValueError(f"RunConfig: unknown model keys {bad}; known: {list(MODEL_KEYS)}")
-    if c.synthetic_forward_s is not None and c.synthetic_forward_s <= 0:
-        raise ValueError(f"RunConfig: synthetic_forward_s must be positive seconds, got {c.synthetic_forward_s}")
-    if len(c.betas) != 2:
-        raise ValueError(f"RunConfig: betas must be two floats, got {c.betas!r}")
+def run_problems(c: RunConfig) -> list[rules.Problem]:
+    """Every named rule (``kernels.config_rules``) that the run's fields break; empty when valid.
+
+    The layout rules that need the world and the model together (``lab.Parallel.check``)
+    are the driver's; the ranks check them again as they build the mesh and the TP plan.
+    """
+    out = rules.size_problems({"dp": c.dp, "tp": c.tp, "pp": c.pp, "global_batch": c.global_batch, "steps": c.steps,
+                               "align_rounds": c.align_rounds},
+                              {"world_size": c.world_size, "dp_replicate": c.dp_replicate,
+                               "microbatches": c.microbatches, "stages_per_rank": c.stages_per_rank})
+    out += rules.flag_problems({name: getattr(c, name) for name in FLAGS})
+    out += rules.sharding_problems(c.zero, c.fsdp_strategy, c.mixed_precision)
+    out += _schedule_problems(c.schedule)
+    out += rules.model_problems(c.model)
+    out += rules.data_problems(c.model.get("vocab") if isinstance(c.model, Mapping) else None)
+    out += rules.seed_problems({"seed": c.seed}, {"data_seed": c.data_seed})
+    out += rules.adamw_problems(c.lr, c.betas, c.eps, c.weight_decay)
+    out += rules.measuring_problems(c.pp, c.trace, c.synthetic_forward_s)
+    hosts = c.ranks_per_host
+    if hosts is not None and not (isinstance(hosts, (tuple, list)) and hosts):
+        out.append(("positive-sizes", f"ranks_per_host must be None or a list of positive ints, got {hosts!r}"))
+    elif hosts is not None:
+        out += rules.size_problems({f"ranks_per_host[{i}]": n for i, n in enumerate(hosts)})
+    return out
 
 
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"RunConfig: {name} must be a positive int, got {value!r}")
+def _schedule_problems(schedule: Any) -> list[rules.Problem]:
+    """[unknown-schedule]: the schedule is a known name in any spelling ``canonical_schedule`` reads."""
+    if isinstance(schedule, str):
+        try:
+            layout_rules.canonical_schedule(schedule)
+            return []
+        except ValueError:
+            pass
+    return [("unknown-schedule", f"unknown schedule {schedule!r}; allowed: {', '.join(layout_rules.SCHEDULES)}")]
 
 
 if __name__ == "__main__":

@@ -8,7 +8,17 @@ The driver calls these functions on every engine, in two phases, to build a
 2. ``join_world`` on every rank: ``init_process_group`` over that store, then one
    ``all_reduce`` of the ranks' ids to prove that every rank is connected.
 
-``call_guarded`` wraps every user function the driver sends. When the function
+Nothing listens beyond the address the driver names (``bind_addr``: loopback when
+every rank is on one host). A bare ``TCPStore`` listens on every interface, so rank 0
+hands it a socket already bound to that address; gloo (and NCCL) listen on the
+interface named by ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME``), which
+``join_world`` sets to the interface holding that address before any group exists,
+so the mesh's sub-groups stay there too.
+
+``call_guarded`` wraps every user function the driver sends. A function from the
+notebook arrives with the notebook's globals (the driver ships it with cloudpickle);
+names the notebook does not define (``rank``, ``device``, names pushed to the ranks)
+are looked up in this rank's namespace, where ``%%px`` cells find them. When the function
 raises (or is interrupted), the guard destroys this rank's process group before it
 re-raises. With gloo, closing a rank's connections makes every peer that waits on it
 in a collective fail at once with "Connection closed by peer", instead of waiting
@@ -25,11 +35,14 @@ import gc
 import importlib
 import os
 import socket
+import sys
 import traceback
+import types
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,6 +61,9 @@ _MODULES_WITH_WORLD_DEFAULTS = ("torch.distributed.nn.functional", "torch.distri
 # The master store must outlive the call that created it until rank 0 joins the
 # world in the next call; after that the process group holds its own reference.
 _master_store: dist.TCPStore | None = None
+# The device this rank computes on, from the rank map: a GPU of its own (NCCL), a shared GPU
+# (gloo with CUDA tensors) or the CPU. None until join_world runs (e.g. under torchrun).
+_rank_device: torch.device | None = None
 _left_groups: list[weakref.ref] = []  # the groups the last leave_world() destroyed
 
 
@@ -94,24 +110,34 @@ def _visible_gpus() -> tuple[str, ...]:
     return tuple(str(i) for i in range(count))
 
 
-def open_store(master_addr: str, world_size: int, timeout_s: float) -> int:
-    """Start the rendezvous store on rank 0 on a free port and return the port."""
+def open_store(bind_addr: str, world_size: int, timeout_s: float) -> int:
+    """Start the rendezvous store on rank 0, listening on ``bind_addr`` only, and return its port."""
     global _master_store
-    _master_store = dist.TCPStore(master_addr, 0, world_size, is_master=True,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    family = socket.getaddrinfo(bind_addr, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind((bind_addr, 0))  # port 0: the OS picks a free one
+        listener.listen()
+        port = listener.getsockname()[1]
+        _master_store = dist.TCPStore(bind_addr, port, world_size, is_master=True,
+                                      timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                                      master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now and closes it when it goes
     return _master_store.port
 
 
 def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     """Join the process group described by ``spec`` and prove it with an all_reduce.
 
-    ``spec`` keys: rank, world_size, backend, device, master_addr, port, threads,
-    timeout_s (collective timeout). Any process group this engine held before is
-    destroyed first, so calling this again rebuilds the world.
+    ``spec`` keys: rank, world_size, backend, device, master_addr, port, bind_addr
+    (the address this rank's sockets listen on), threads, timeout_s (collective
+    timeout). Any process group this engine held before is destroyed first, so
+    calling this again rebuilds the world.
     """
-    global _master_store
+    global _master_store, _rank_device
     leave_world()
+    _listen_only_on(spec["bind_addr"])
     torch.set_num_threads(int(spec["threads"]))
+    _rank_device = torch.device(spec["device"])
     if spec["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(spec["device"]))
     rank, world = int(spec["rank"]), int(spec["world_size"])
@@ -127,6 +153,32 @@ def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     if probe.item() != expected:
         raise RuntimeError(f"rank {rank}: all_reduce check gave {probe.item()}, expected {expected}")
     return {"rank": rank, "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: the rank map's, or under torchrun its GPU with NCCL, else the CPU."""
+    if _rank_device is not None and dist.is_initialized():
+        return _rank_device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _listen_only_on(addr: str) -> None:
+    # By default gloo listens on the address the hostname resolves to, which may be a
+    # public one, and NCCL on the first non-loopback interface. gloo reads its variable
+    # for every group it creates, NCCL when it first starts ("=": an exact name, not a prefix).
+    name = interface_of(addr)
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = "=" + name
+
+
+def interface_of(addr: str) -> str:
+    """The name of this host's network interface that holds ``addr`` (``lo`` for 127.0.0.1 on Linux)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    raise RuntimeError(f"no network interface of {socket.gethostname()} holds the address {addr}")
 
 
 def _device_id(device: str) -> torch.device | None:
@@ -176,7 +228,7 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
     """
     stack_report.forget_failure()
     try:
-        return fn(*args, **kwargs)
+        return _with_rank_names(fn)(*args, **kwargs)
     except BaseException as error:
         stack_report.record_failure(error)
         # The failed collective's frames hold the process group; clearing their
@@ -185,6 +237,17 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
         _clear_chain(error)
         leave_world()
         raise
+
+
+def _with_rank_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # cloudpickle rebuilds a notebook function (and the notebook functions it calls) on
+    # a fresh globals dict holding only what it read in the notebook; the rank's own
+    # names fill the gaps, and the notebook's values win where both define a name.
+    here = vars(sys.modules["__main__"])  # the engine's namespace: push and %%px write here
+    if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__" and fn.__globals__ is not here:
+        for name, value in here.items():
+            fn.__globals__.setdefault(name, value)
+    return fn
 
 
 def _clear_chain(error: BaseException | None) -> None:
@@ -198,8 +261,8 @@ def _clear_chain(error: BaseException | None) -> None:
 
 
 def _selftest(rank: int, world: int, port: int) -> None:
-    join_world({"rank": rank, "world_size": world, "backend": "gloo", "device": "cpu",
-                "master_addr": "127.0.0.1", "port": port, "threads": 1, "timeout_s": 30})
+    join_world({"rank": rank, "world_size": world, "backend": "gloo", "device": "cpu", "master_addr": "127.0.0.1",
+                "port": port, "bind_addr": "127.0.0.1", "threads": 1, "timeout_s": 30})
     print(f"rank {rank}/{world} joined and verified")
     leave_world()
 

@@ -18,7 +18,7 @@ params (this rank's parameters gathered whole, by name: every parameter, or with
 its stages'); with measure, measure (``kernels.measure``'s record); with trace (pp
 only), trace (``kernels.step_hooks.PipelineTracer``'s record).
 
-Run alone (prints the losses beside the one-process reference)::
+Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference)::
 
     torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3
 """
@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kernels import layout_rules
+from kernels import layout_rules, runtime
+from kernels.batches import BatchStream
 from kernels.measure import PipelineProbe, measure_record, step_probe
 from kernels.data import dataset
 from kernels.model import build_gpt, loss_fn, model_config
@@ -42,7 +44,7 @@ from kernels.parallel.fsdp import describe_params, full_parameters
 from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, destroy_mesh_groups, dp_group,
                                    dp_rank, pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
-from kernels.parallel.strategy import GradSync, Strategy, resolve_strategy
+from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
@@ -51,34 +53,28 @@ from kernels.train_loop import FlatStep, PipelineStep, train_loop
 
 
 def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
-    """The mesh sizes and the Strategy ``run`` means on ``world_size`` ranks."""
+    """The mesh sizes and the Strategy ``run`` means on ``world_size`` ranks of the process group."""
     if dist.is_initialized() and world_size > dist.get_world_size():
         raise ValueError(f"world_size={world_size} is more than the {dist.get_world_size()} ranks of the process group")
-    probe = ParallelDims(dp=run.dp, tp=run.tp, pp=run.pp, world_size=world_size)
-    strategy = resolve_strategy(
-        probe, zero=run.zero, fsdp_strategy=run.fsdp_strategy, dp_replicate=run.dp_replicate,
-        sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
-        activation_checkpointing=run.activation_checkpointing, mixed_precision=run.mixed_precision,
-        cpu_offload=run.cpu_offload, compile=run.compile, schedule=run.schedule if run.pp > 1 else None,
-        stages_per_rank=run.stages_per_rank, microbatches=run.microbatches)
-    return ParallelDims(dp=run.dp, tp=run.tp, pp=run.pp, world_size=world_size,
-                        dp_replicate=strategy.dp_replicate), strategy
+    return run_strategy(run, world_size)
 
 
-def _optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig):
+def _optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
+    # A CPU-offloaded FSDP2 model steps its optimizer on the CPU shards.
+    kwargs = run.adamw_kwargs("cpu" if strategy.cpu_offload else device.type)
     if strategy.grad_sync is GradSync.ZERO1:
-        return build_zero1_optimizer(model, mesh["dp"], **run.adamw_kwargs())
-    return torch.optim.AdamW(model.parameters(), **run.adamw_kwargs())
+        return build_zero1_optimizer(model, mesh["dp"], **kwargs)
+    return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
 def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device) -> dict[str, Any]:
     """pp == 1: the whole model, parallelized once; returns the records."""
     model = parallelize(build_gpt(model_config(run), device=device), strategy, mesh, dp_mesh)
     inner = unwrap(model)
-    optimizer = _optimizer(inner, strategy, mesh, run)
+    optimizer = _optimizer(inner, strategy, mesh, run, device)
     probe = step_probe(model, optimizer, device) if run.measure else None
     step_fn = FlatStep(model, strategy.microbatches, strategy.loss_parallel, device)
-    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps, probe))
+    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps, probe), device)
     rank = dist.get_rank()
     layout = {"rank": rank, "coords": dims.coords(rank), "strategy": strategy.kind, "zero": strategy.zero,
               "hybrid": strategy.hybrid, "params": describe_params(inner)}
@@ -100,12 +96,12 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
                                       strategy.stages_per_rank, strategy.microbatches, pp_group(mesh), device,
                                       loss_fn, model_transform=transform)
     stack = nn.ModuleList(runtime.modules)  # this rank's stages as one module, for the optimizer and norms
-    optimizer = _optimizer(stack, strategy, mesh, run)
+    optimizer = _optimizer(stack, strategy, mesh, run, device)
     probe = PipelineProbe(stack, optimizer, device, runtime.stages) if run.measure else None
     tracer = PipelineTracer(run, runtime, device) if run.trace else None
     by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
     step_fn = PipelineStep(runtime, stack, dp_group(mesh) if by_hand else None, pp_group(mesh), device)
-    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps, probe, tracer))
+    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps, probe, tracer), device)
     out = {"losses": losses, "grad_norms": norms, "step_times": times,
            **_pipeline_records(run, dims, runtime, strategy, optimizer)}
     if probe is not None:  # kernels.measure's record: the dp strategy, the schedule's sizes
@@ -117,9 +113,10 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
     return out
 
 
-def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: StepHooks):
-    return train_loop(step_fn, optimizer, dataset(run), steps=run.steps, global_batch=run.global_batch,
-                      dp_rank=dp_rank(mesh), dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
+def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: StepHooks, device: torch.device):
+    batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=dp_rank(mesh),
+                          dp=dims.dp, device=device)
+    return train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
                       record_grad_norm=run.record_grad_norm)
 
 
@@ -146,11 +143,14 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train under the layout ``cfg`` (``RunConfig.to_dict()``) names; returns plain records (module docstring).
 
     Runs on every rank of the default process group; creates and destroys its own
-    mesh sub-groups, so runs on a warm pool leave only the default group behind.
+    mesh sub-groups and frees the run's objects before it returns, so runs on a warm
+    pool leave only the default group behind and memory does not creep.
     """
     run = RunConfig.from_dict(cfg)
     dims, strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = runtime.rank_device()
+    if device.type == "cuda":  # TF32 matmuls for what runs in fp32, as torch users set it on Ampere and later
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     # Group creation is collective over every rank of the process group, in the mesh or not.
     mesh = build_mesh(dims, device.type)
     dp_mesh = build_hsdp_mesh(dims, device.type) if strategy.hybrid else None
@@ -162,6 +162,10 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         return train(run, dims, strategy, mesh, dp_mesh, device)
     finally:
         destroy_mesh_groups(mesh, dp_mesh)
+        # The run's model, optimizer and DTensors sit in reference cycles (module hooks,
+        # autograd graphs) that only Python's rare full collection frees: on a warm pool
+        # each run's memory would pile up for dozens of runs first.
+        gc.collect()
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -192,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     if dist.get_backend() == "nccl":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     try:
+        if dist.get_rank() == 0:  # what the options resolved to (zero 0 with dp x tp is FSDP2, for one)
+            strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())[1]
+            print(strategy.describe(), flush=True)
         out = train_rank(run.to_dict())
         if dist.get_rank() == 0:
             ref = train_reference(run)["losses"]

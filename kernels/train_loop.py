@@ -1,7 +1,8 @@
 """The one training loop, for every layout: ``train_loop(step_fn, optimizer, ...)``.
 
 Algorithm: synchronous minibatch AdamW. Every rank builds the same global batch and
-keeps its dp shard (``shard_batch``); tp ranks of one dp index see the same samples.
+keeps its dp shard (``shard_batch``, through ``kernels.batches.BatchStream``, which builds
+ahead on a GPU); tp ranks of one dp index see the same samples.
 Each step runs the step function the strategy chose, then the optimizer:
 
 - ``FlatStep`` (pp == 1): the shard is split into micro-batches; gradients accumulate
@@ -15,6 +16,9 @@ Each step runs the step function the strategy chose, then the optimizer:
 The reported loss of a step is the global-batch mean: the replica's loss (with pp,
 sent from the last stage's rank over the pp group) all_reduced (SUM) over dp, / dp.
 The gradient norm is the whole gradient's, summed in squares over a pipeline's stages.
+Losses and norms stay on the device and step times are CUDA events on a GPU, all read
+once after the last step: the loop never waits for the device, so a GPU rank queues
+the next step while the current one runs, as a plain torch loop does.
 Measuring (probes, the tracer) attaches through ``kernels.step_hooks.StepHooks``.
 
 Run alone (through the rank function that builds the layout)::
@@ -30,10 +34,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from kernels.data import SyntheticTokens, microbatches, shard_batch
+from kernels.batches import BatchStream
+from kernels.data import microbatches
 from kernels.model import loss_fn
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import sync_gradients
+from kernels.parallel.p2p_staging import needs_staging, staged_p2p
 from kernels.parallel.tensor_parallel import loss_context
 from kernels.step_hooks import StepHooks
 
@@ -71,16 +77,18 @@ class PipelineStep:
                  pp_group: dist.ProcessGroup, device: torch.device) -> None:
         self.runtime, self.params_module, self.average_over = runtime, stack, average_over
         self.pp_group, self.device = pp_group, device
+        self.stage_p2p = needs_staging(device, pp_group)  # gloo ranks sharing a GPU
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> float | None:
-        with hooks.schedule(self.runtime.stages):
-            loss = pipeline.pipeline_step(self.runtime, inputs, targets)  # float on the last stage, else None
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor | None:
+        # Staging first, so a tracer wraps the staged p2p and still sees the schedule's own ops.
+        with staged_p2p(self.stage_p2p), hooks.schedule(self.runtime.stages):
+            loss = pipeline.pipeline_step(self.runtime, inputs, targets)  # the last stage's loss, else None
         if self.average_over is not None:
             with hooks.part("all_reduce", nbytes=_grad_bytes(self.params_module)):
                 average_gradients(self.params_module, self.average_over)
         return loss
 
-    def replica_loss(self, loss: float | None) -> torch.Tensor:
+    def replica_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """Reporting only: the replica's loss from its last stage to every pp rank (float64)."""
         return pipeline.share_loss(loss, self.pp_group, self.device)
 
@@ -91,30 +99,58 @@ class PipelineStep:
         return sq.sqrt()
 
 
-def train_loop(step_fn: FlatStep | PipelineStep, optimizer, data: SyntheticTokens, *, steps: int,
-               global_batch: int, dp_rank: int, dp: int, dp_group: dist.ProcessGroup, hooks: StepHooks,
+def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream, *, dp: int,
+               dp_group: dist.ProcessGroup, hooks: StepHooks,
                record_grad_norm: bool = True) -> tuple[list[float], list[float], list[float]]:
-    """Run ``steps`` optimizer steps on this rank's dp shard; returns (global mean losses, step seconds, grad norms)."""
-    losses, times, norms = [], [], []
-    for step in range(steps):
-        inputs, targets = data.global_batch(step, global_batch)  # (B, T) each
-        inputs, targets = shard_batch(inputs, targets, dp_rank, dp)  # (B/dp, T)
+    """Run one optimizer step per batch of ``batches``; returns (global mean losses, step seconds, grad norms)."""
+    losses, norms, clock = [], [], StepClock(batches.device)
+    for step, (inputs, targets) in enumerate(batches):  # (B/dp, T) each
         hooks.begin(step)  # tracing: clocks aligned, ranks met
-        start = time.perf_counter()
+        clock.start()
         with hooks.whole_step():
             loss = step_fn(inputs, targets, hooks)
             with hooks.part("optimizer"):
                 optimizer.step()
         hooks.at_rest()
         if record_grad_norm:  # step() leaves .grad alone; here it is outside the meter
-            norms.append(step_fn.grad_norm())  # a device scalar: read once, after the last step
+            norms.append(step_fn.grad_norm())
         optimizer.zero_grad(set_to_none=not hooks.keeps_gradients)
-        times.append(time.perf_counter() - start)
+        clock.stop()
         # Reporting only: forward all_reduce(SUM) of the replicas' losses over dp, then / dp.
-        replica_loss = step_fn.replica_loss(loss)
+        replica_loss = step_fn.replica_loss(loss).double()
         dist.all_reduce(replica_loss, group=dp_group)
-        losses.append(replica_loss.item() / dp)
-    return losses, times, torch.stack(norms).tolist() if norms else []
+        losses.append(replica_loss / dp)
+    return (torch.stack(losses).tolist() if losses else [], clock.seconds(),
+            torch.stack(norms).tolist() if norms else [])
+
+
+class StepClock:
+    """Each step's duration without waiting for the device: CUDA events on a GPU, read at the end; else the wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[list] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks.append([self._mark()])
+
+    def stop(self) -> None:
+        self.marks[-1].append(self._mark())
+
+    def seconds(self) -> list[float]:
+        """Every step's seconds (on a GPU this waits once, for the last step to finish)."""
+        if not self.cuda:
+            return [end - begin for begin, end in self.marks]
+        if self.marks:
+            self.marks[-1][1].synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in self.marks]
 
 
 def grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,7 @@ check_own_packages()
 _HOME = {
     "bench_collectives": "lab.bench",
     "Cluster": "lab.cluster", "OversubscribedWarning": "lab.cluster_world",
+    "ConfigError": "kernels.config_rules",
     "Controls": "lab.controls",
     "GPTConfig": "kernels.model",
     "DryRunReport": "lab.dry_run", "dry_run": "lab.dry_run",

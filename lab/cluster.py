@@ -18,7 +18,7 @@ from ipyparallel import AsyncResult
 
 from kernels import runtime, stack_report
 from kernels.records import RankMap, RankStatus
-from lab import cluster_render, launch
+from lab import cluster_render, launch, px_magic
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.failure_report import FailureReporter
@@ -46,6 +46,7 @@ class Cluster(WorldKeeper, FailureReporter):
         self._dead: set[int] = set()
         self._states: dict[int, tuple[str, str]] = {}
         self._watchers: list[Callable[[list[RankStatus]], None]] = []
+        self._on_stop: list[Callable[[], None]] = []
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
@@ -177,8 +178,13 @@ class Cluster(WorldKeeper, FailureReporter):
         return list(values) if ranks is None else dict(zip(targets, values))
 
     def activate(self) -> None:
-        """Point IPython's ``%px``/``%%px`` magics at the ranks, in rank order."""
-        self._source.client[[r.engine_id for r in self._rank_map.ranks]].activate()
+        """Make IPython's ``%px``/``%%px`` run cells on these ranks (``lab.px_magic``).
+
+        A ``%%px`` cell runs like ``cluster.run``: each rank's output is shown, labelled
+        by rank, when the cell ends; a failing rank raises ``RankError`` and the world is
+        rebuilt; ``%%px --timeout S`` bounds the cell and ``--ranks 0,2`` picks ranks.
+        """
+        px_magic.register(self)
 
     # ------------------------------------------------------------------ lifecycle
     def restart(self) -> "Cluster":
@@ -211,6 +217,8 @@ class Cluster(WorldKeeper, FailureReporter):
         if self._stopped:
             return
         self._stopped = True
+        for callback in self._on_stop:  # views that offer to run on the pool take their buttons away
+            callback()
         if hasattr(self, "_views") and not self._dead:
             try:
                 wait_ranks({r: v.apply_async(runtime.leave_world) for r, v in self._views.items()},
@@ -220,6 +228,18 @@ class Cluster(WorldKeeper, FailureReporter):
         self._finalizer()
         for pid in self._source.pids:
             stack_report.remove_dump(pid)
+
+    @property
+    def stopped(self) -> bool:
+        """True once ``stop()`` ran: nothing can run on this pool any more."""
+        return self._stopped
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the pool stops (at once if it already has)."""
+        if self._stopped:
+            callback()
+        else:
+            self._on_stop.append(callback)
 
     def __enter__(self) -> "Cluster":
         return self

@@ -32,7 +32,7 @@ import warnings
 from typing import Iterable
 
 from kernels import runtime, stack_report
-from kernels.records import EngineInfo
+from kernels.records import EngineInfo, RankMap
 from lab import launch
 from lab.errors import LabError, RankError, Recovery, rank_list
 from lab.rank_map import build_rank_map
@@ -87,11 +87,11 @@ class WorldKeeper:
     def _form_world(self) -> None:
         """(Re)build the process group on every rank over a fresh store, then bind names for %%px."""
         rm = self._rank_map
-        rank0 = self._views[0]
-        port = rank0.apply_sync(runtime.open_store, rm.master_addr, rm.world_size, self._timeout)
+        bind = listen_addresses(rm)
+        port = self._views[0].apply_sync(runtime.open_store, bind[0], rm.world_size, self._timeout)
         pending = {r.rank: self._views[r.rank].apply_async(runtime.join_world, {
             "rank": r.rank, "world_size": rm.world_size, "backend": rm.backend, "device": r.device,
-            "master_addr": rm.master_addr, "port": port, "threads": self._threads,
+            "master_addr": bind[0], "port": port, "bind_addr": bind[r.rank], "threads": self._threads,
             "timeout_s": self._collective_timeout}) for r in rm.ranks}
         out = wait_ranks(pending, self._is_dead, deadline=time.monotonic() + self._timeout)
         if not out.clean:
@@ -217,6 +217,18 @@ class WorldKeeper:
                 raise LabError(f"only {len(set(client.ids) - old)} of {n} engines came back within {self._timeout}s")
             time.sleep(0.1)
         return sorted(set(client.ids) - old)[:n]
+
+
+def listen_addresses(rank_map: RankMap) -> list[str]:
+    """The address each rank's store and collective sockets listen on, by rank.
+
+    Loopback when every rank is on one host, whatever address the controller has; on
+    several hosts, each rank's address in the rank map (the interface that routes to
+    the controller), and no other.
+    """
+    if len(rank_map.hosts()) == 1:
+        return ["127.0.0.1"] * rank_map.world_size
+    return [r.ip for r in rank_map.ranks]
 
 
 def _in_ipython() -> bool:

@@ -1,7 +1,9 @@
 """An experiment: one model, one parallel layout, real training on the pool's ranks.
 
-``Experiment(cluster, model, parallel, ...)`` checks the layout against the model and
-the world before anything runs (``Parallel.check``), then ``run()`` sends one
+``Experiment(cluster, model, parallel, ...)`` checks every argument before anything
+runs: each field's type and range (``kernels.config_rules``, through the ``RunConfig``
+it builds) and the layout against the model and the world (``Parallel.problems``),
+raising one ``ParallelConfigError`` that names every broken rule. Then ``run()`` sends one
 ``kernels.run_config.RunConfig`` (as a plain dict) to ``kernels.train.train_rank`` on
 every rank and gathers plain records. The same config trains in one process with
 ``reference()``, which is the ground truth.
@@ -31,13 +33,14 @@ import time
 import warnings
 from typing import Any
 
+from kernels.config_rules import ConfigError, Problem
 from kernels.model import GPTConfig
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
 from lab.cluster import Cluster
 from lab.measure import comm_records, memory_records
-from lab.parallel import Parallel
+from lab.parallel import Parallel, ParallelConfigError
 from lab.run_result import RunResult
 from lab.timeline import bubble_from_records, planned_orders
 
@@ -57,18 +60,32 @@ class Experiment:
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False) -> None:
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {optimizer!r} is not supported; choose one of {OPTIMIZERS}")
-        if steps < 1 or global_batch < 1:
-            raise ValueError(f"steps and global_batch must be positive, got steps={steps}, global_batch={global_batch}")
-        _check_measuring(parallel, trace, synthetic_forward_s)
         self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.compile = compile
-        self.warnings = parallel.check(model, cluster.world_size, global_batch)
+        problems = self._problems(optimizer)
+        if problems:  # raised here, before anything reaches the ranks
+            raise ParallelConfigError(problems)
+        self.warnings = parallel.layout_warnings()
         for message in self.warnings:
             warnings.warn(message, LayoutWarning, stacklevel=2)
+
+    def _problems(self, optimizer: Any) -> list[Problem]:
+        """Every rule the experiment breaks: its arguments, the rank config they make, the layout against the model."""
+        out = [] if optimizer in OPTIMIZERS else [("optimizer", f"optimizer {optimizer!r} is not supported; "
+                                                   f"choose one of {OPTIMIZERS}")]
+        if not (isinstance(self.model, GPTConfig) and isinstance(self.parallel, Parallel)):
+            return out + [("argument-types", f"model must be a lab.GPT and parallel a lab.Parallel, got "
+                           f"{type(self.model).__name__} and {type(self.parallel).__name__}")]
+        if self.model.seed not in (0, self.seed):  # the model's seed would be silently replaced
+            out.append(("model-seed", f"lab.GPT(seed={self.model.seed}) is not used: the Experiment's seed="
+                        f"{self.seed!r} fixes the weights and the data; pass seed={self.model.seed} to the Experiment"))
+        try:  # the rank config's own rules (kernels.config_rules), exactly as the ranks would apply them
+            self.run_config()
+        except ConfigError as error:
+            out += error.problems
+        return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
         """The one typed config every rank (and the reference) trains under."""
@@ -80,9 +97,10 @@ class Experiment:
             dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, fsdp_strategy=p.fsdp_strategy,
             dp_replicate=p.dp_replicate, schedule=p.schedule, microbatches=p.num_microbatches,
             stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
-            activation_checkpointing=p.activation_checkpointing, mixed_precision=p.mixed_precision,
-            cpu_offload=p.cpu_offload, compile=self.compile, return_params=return_params, trace=self.trace,
-            synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure)
+            loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
+            mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, compile=self.compile,
+            return_params=return_params, trace=self.trace, synthetic_forward_s=self.synthetic_forward_s,
+            ranks_per_host=ranks_per_host, measure=self.measure)
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
@@ -110,16 +128,6 @@ class Experiment:
         return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),
                          step_times=[[per_step] * self.steps], layout=[{"rank": 0, "strategy": "reference"}],
                          params=params)
-
-
-def _check_measuring(parallel: Parallel, trace: bool, synthetic_forward_s: float | None) -> None:
-    """Refuse measuring options that would record nothing, before anything launches."""
-    if trace and parallel.pp < 2:
-        raise ValueError("trace=True times pipeline actions: it needs a pipeline layout (pp > 1)")
-    if synthetic_forward_s is not None and not trace:
-        raise ValueError("synthetic_forward_s pads traced pipeline actions: pass trace=True too")
-    if synthetic_forward_s is not None and synthetic_forward_s <= 0:
-        raise ValueError(f"synthetic_forward_s must be positive seconds, got {synthetic_forward_s}")
 
 
 def _ranks_per_host(cluster: Any) -> list[int] | None:

@@ -20,12 +20,13 @@ _KERNELS = os.path.join(os.path.dirname(_HERE), "kernels")
 # Library, lab and guard frames: not where a user looks for their mistake.
 _INTERNAL_DIRS = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")}
                        | {_HERE + os.sep})
-_INTERNAL_FILES = (os.path.join(_KERNELS, "runtime.py"), os.path.join(_KERNELS, "stack_report.py"))
+_INTERNAL_FILES = tuple(os.path.join(_KERNELS, name) for name in ("runtime.py", "stack_report.py", "cell.py"))
+_USER_PSEUDO_FILES = ("<ipython-input", "<%%px cell")  # code a user typed, compiled under a made-up name
 
 
 def is_internal(filename: str) -> bool:
     """True for frames of Python itself, installed packages (torch, ipyparallel), the lab and the rank guard."""
-    if filename.startswith("<") and not filename.startswith("<ipython-input"):
+    if filename.startswith("<") and not filename.startswith(_USER_PSEUDO_FILES):
         return True  # "<string>" (ipyparallel's exec), "<frozen ...>"
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
     return path.startswith(_INTERNAL_DIRS) or path in _INTERNAL_FILES

@@ -6,6 +6,10 @@ client: this module starts, finds and stops processes; it knows nothing of ranks
 A local pool gets its own profile directory (mode 0700, removed on stop), a
 controller on loopback and signed messages, and the lab records the PID of every
 process it started so that it can later signal exactly those and no others.
+
+Whatever the source, the driver sends functions with cloudpickle
+(``ship_functions_with_globals``), so a function defined in a notebook carries the
+globals it reads (variables, imported modules, other notebook functions).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60
         stop_source(source)
         raise
     restrict_security_files(profile_dir)
+    ship_functions_with_globals()
     return EngineSource(client, cluster, True, profile_dir, launched_pids(cluster))
 
 
@@ -75,7 +80,22 @@ def connect_existing(profile: str | None = None, cluster_id: str | None = None, 
         cluster = load_cluster_file(cluster_id or "", kwargs, timeout=timeout)
         client = cluster.connect_client_sync()
     client.wait_for_engines(n or 1, timeout=timeout)
+    ship_functions_with_globals()
     return EngineSource(client, cluster, owned=False)
+
+
+def ship_functions_with_globals() -> None:
+    """Make this process's ipyparallel clients pickle what they send with cloudpickle.
+
+    By default ipyparallel sends a function defined in ``__main__`` (a notebook) as bare
+    code and runs it on the engine's namespace, so the notebook variables and imports
+    it reads are missing there (NameError). cloudpickle ships such functions by value
+    with the globals they read; importable functions still go by name. Only the
+    sending side changes (ipyparallel's switch is per process): engines unpickle
+    cloudpickle's output with plain pickle, so engines the lab merely connects to,
+    and new engines after a restart, need no switch, and their results are sent as before.
+    """
+    ipp.serialize.use_cloudpickle()
 
 
 def load_cluster_file(cluster_id: str, location: dict[str, str], *, timeout: float) -> ipp.Cluster:

@@ -163,9 +163,12 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
             rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="activations",
                                      measured=snap["activations"], predicted=None, formula=None,
                                      note="unique storages saved for backward, parameters left out"))
+        rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_allocated",
+                                 measured=snap.get("cuda_allocated"), predicted=None, formula=None,
+                                 note="torch.cuda.memory_allocated at this moment: every live tensor; None on CPU"))
         rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_max_allocated",
                                  measured=snap.get("cuda_max_allocated"), predicted=None, formula=None,
-                                 note="torch.cuda.max_memory_allocated; None on CPU"))
+                                 note="torch.cuda.max_memory_allocated since the step began; None on CPU"))
     return rows
 
 

@@ -78,9 +78,12 @@ def _accept_kernel_dialog(page) -> None:
 
 
 @contextlib.contextmanager
-def browser_session(notebook: Path, tmp_path: Path, done_text: str, timeout_s: float = 180):
-    """Run every cell of a copy of ``notebook`` in a real browser and yield the page once
-    ``done_text`` shows up in an output."""
+def notebook_running(notebook: Path, tmp_path: Path) -> Iterator[object]:
+    """Open a copy of ``notebook`` in JupyterLab in a real browser, press Run All, and yield the page at once.
+
+    The cells are still running: wait for each output with :func:`wait_for_output`, which also
+    tells how long each step took.
+    """
     from playwright.sync_api import sync_playwright
 
     shutil.copy(notebook, tmp_path / notebook.name)
@@ -96,13 +99,28 @@ def browser_session(notebook: Path, tmp_path: Path, done_text: str, timeout_s: f
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-            output = page.locator(".jp-OutputArea-output", has_text=done_text)  # not the cell's source
-            try:
-                output.first.wait_for(timeout=timeout_s * 1000)
-            except Exception:
-                ARTIFACTS.mkdir(exist_ok=True)
-                page.screenshot(path=str(ARTIFACTS / f"failed-{notebook.stem}.png"), full_page=True)
-                raise
             yield page
         finally:
             browser.close()
+
+
+def wait_for_output(page, text: str, timeout_s: float, *, name: str = "notebook"):
+    """The first cell output holding ``text`` (never a cell's source), once it shows; on a timeout,
+    a full-page screenshot is left in test-artifacts/failed-<name>.png."""
+    output = page.locator(".jp-OutputArea-output", has_text=text).first
+    try:
+        output.wait_for(timeout=timeout_s * 1000)
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"failed-{name}.png"), full_page=True)
+        raise
+    return output
+
+
+@contextlib.contextmanager
+def browser_session(notebook: Path, tmp_path: Path, done_text: str, timeout_s: float = 180):
+    """Run every cell of a copy of ``notebook`` in a real browser and yield the page once
+    ``done_text`` shows up in an output."""
+    with notebook_running(notebook, tmp_path) as page:
+        wait_for_output(page, done_text, timeout_s, name=notebook.stem)
+        yield page

@@ -27,7 +27,7 @@ def dynamo_counts() -> dict[str, int]:
 
 
 def test_compile_must_be_a_bool_before_anything_launches():
-    with pytest.raises(ValueError, match="compile must be True or False"):
+    with pytest.raises(ValueError, match=r"\[bool-flags\] switches must be True or False: compile='yes'"):
         RunConfig(compile="yes")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import lab
 from lab.controls import Controls
+from tests.conftest import start_pool
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 
@@ -25,3 +26,31 @@ def test_run_trains_the_new_layout_on_the_warm_pool_and_updates_views(cluster):
     assert "equal to one process" in controls.losses.value
     assert len(controls.sharding.rows) == 4  # the sharding view now shows the new layout's ranks
     assert [r.pid for r in cluster.rank_map.ranks] == pids  # same engines: nothing was relaunched
+
+
+def test_run_keeps_trace_and_measure_so_the_timeline_and_memory_views_follow(cluster):
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(pp=2, dp=2, microbatches=2), global_batch=8, steps=1,
+                         trace=True, synthetic_forward_s=0.002, measure=True)
+    controls = Controls(exp)
+    assert controls.timeline.layout.display == "none"  # nothing recorded yet: hidden, not empty
+    result = controls.run()
+    assert result.events and result.memory_records
+    assert controls.timeline.layout.display is None and controls.memory.layout.display is None
+    assert sorted(controls.timeline.ranks) == [0, 1, 2, 3] and controls.timeline.bubble["pp"] == 2
+    assert controls.memory.ranks == [0, 1, 2, 3]
+    controls.fields["pp"].value, controls.fields["dp"].value = 1, 4  # no pipeline: nothing to trace
+    controls.run()
+    assert controls.timeline.layout.display == "none" and controls.memory.layout.display is None
+
+
+def test_run_goes_away_with_a_note_once_the_pool_stops():
+    pool = start_pool(1)
+    try:
+        controls = Controls(lab.Experiment(pool, TINY, lab.Parallel(), global_batch=2, steps=1))
+        assert not controls.button.disabled and not pool.stopped
+    finally:
+        pool.stop()
+    assert pool.stopped and controls.button.disabled and controls.button.layout.display == "none"
+    assert "pool is stopped" in controls.status.value
+    controls.fields["zero"].value = 1  # a valid change does not bring Run back
+    assert controls.button.disabled

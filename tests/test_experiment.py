@@ -52,9 +52,9 @@ def test_the_rank_config_is_typed_and_round_trips_through_json():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"dp": 0}, "dp must be a positive int"),
+    ({"dp": 0}, r"\[positive-sizes\] sizes must be positive ints: dp=0"),
     ({"zero": 4}, "zero must be 0, 1, 2 or 3"),
-    ({"fsdp_strategy": "half"}, "fsdp_strategy must be None or one of"),
+    ({"fsdp_strategy": "half"}, "unknown fsdp_strategy 'half'"),
     ({"schedule": "pipedream"}, "unknown schedule"),
     ({"model": {"layers": 2, "width": 3}}, "unknown model keys"),
     ({"virtual_stages": 2}, "unknown key 'virtual_stages'"),

@@ -398,3 +398,14 @@ def test_status_and_collective_records_of_another_shape_fail_naming_the_key(view
         view([{**good[0], "world": 4}] + good[1:])
     with pytest.raises(RecordShapeError, match=f"{record}: missing key 'rank'"):
         view([{k: v for k, v in r.items() if k != "rank"} for r in good])
+
+
+@pytest.mark.parametrize("kind, title", [
+    ("zero3", "fsdp · ZeRO-3 · pp=1 dp=4 tp=1 · dp_shard=4 dp_replicate=1 · placements [dp: S(0)]"),
+    ("hsdp", "fsdp · ZeRO-3 · pp=1 dp=4 tp=1 · dp_shard=2 dp_replicate=2 · placements [dp_replicate: R, dp_shard: S(0)]"),
+    ("tp_fsdp", "fsdp · ZeRO-3 · pp=1 dp=2 tp=2 · dp_shard=2 dp_replicate=1 · placements [dp: _S(0, 2), tp: S(0)]"),
+    ("zero1", "zero1 · ZeRO-1 · pp=1 dp=4 tp=1 · dp_shard=1 dp_replicate=4 · plain tensors · optimizer state split"),
+])
+def test_sharding_title_says_what_the_placements_built(kind, title):
+    view = ShardingView(layout_records(kind))
+    assert view.title.startswith(title)

@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from kernels.records import TraceEvent
+from lab.timeline import bubble, simulate
 from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser
 from tests.test_widgets import collective_records, layout_records, rank_status
+from tests.test_widgets_timeline import mem_records, trace_events
+from widgets import ShardingView
+
+# Glyphs some system fonts lack (Debian's chromium drew U+23F8 as an empty box): the views use SVG icons.
+MISSING_GLYPHS = "\u23f8\u25b6\u25c0\u26a0\u2205\u2260\u23ef\u23f5"
 
 CELLS = [
     "import json\nfrom widgets import ClusterView, CollectiveView, ShardingView\n"
@@ -17,16 +24,42 @@ CELLS = [
     "CollectiveView(saved['bad_collectives'])",
     "sharding = ShardingView(saved['layout'])\nsharding",
     "switching = ShardingView(saved['layout_before'])\nswitching",
+    "from widgets import MemoryView, PipelineTimeline\n"
+    "PipelineTimeline(saved['zbv'], None, saved['zbv_planned'])",
+    "PipelineTimeline(saved['f1b'], saved['f1b_bubble'])",
+    "MemoryView(saved['memory'])",
+    "ShardingView(saved['layout_hsdp'])",
+    "ShardingView(saved['layout_tp_fsdp'])",
     "import time\ntime.sleep(2)\ncluster.update(saved['ranks_later'])\nswitching.set_layout(saved['layout'])\n"
     "print('views are ready')",
 ]
+
+
+def zbv_events() -> tuple[list[dict], dict]:
+    """A V-shaped schedule on 2 ranks (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), 2 micro-batches,
+    with a recv on rank 1 posted at once and served when rank 0 sends: the planned order and the events."""
+    orders = {0: [(0, "F", 0), (0, "F", 1), (3, "F", 0), (3, "F", 1), (3, "B", 0), (3, "B", 1), (0, "B", 0),
+                  (0, "B", 1)],
+              1: [(1, "F", 0), (1, "F", 1), (2, "F", 0), (2, "F", 1), (2, "B", 0), (2, "B", 1), (1, "B", 0),
+                  (1, "B", 1)]}
+    compute = simulate(orders, {"F": 0.01, "B": 0.02})
+    first = next(e for e in compute if (e.rank, e.stage, e.microbatch) == (0, 0, 0))
+    p2p = [TraceEvent(1, 1, "recv", 0, 0.0, first.end, peer=0, nbytes=4096),
+           TraceEvent(0, 0, "send", 0, first.end, first.end + 1e-3, peer=1, nbytes=4096)]
+    events = sorted([e.to_dict() for e in compute + p2p], key=lambda e: e["start"])
+    return events, {r: [list(a) for a in acts] for r, acts in orders.items()}
 
 
 def write_notebook(tmp_path: Path) -> Path:
     bad = collective_records(4)
     next(r for r in bad if r["op"] == "all_reduce" and r["rank"] == 2)["output"] = [-1.0, 100.0]
     records = {"ranks": rank_status(4), "ranks_later": rank_status(4, failed=3), "collectives": collective_records(4),
-               "bad_collectives": bad, "layout": layout_records("zero3"), "layout_before": layout_records("zero1")}
+               "bad_collectives": bad, "layout": layout_records("zero3"), "layout_before": layout_records("zero1"),
+               "layout_hsdp": layout_records("hsdp"), "layout_tp_fsdp": layout_records("tp_fsdp"),
+               "memory": mem_records()}
+    records["zbv"], records["zbv_planned"] = zbv_events()
+    records["f1b"] = trace_events(pp=4, m=8)
+    records["f1b_bubble"] = bubble(records["f1b"], "1f1b", 4, 8, synthetic=True).to_dict()
     (tmp_path / "records.json").write_text(json.dumps(records))
     cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
              for src in CELLS]
@@ -70,9 +103,62 @@ def test_views_render_and_step_in_jupyterlab(tmp_path):
         sharding.locator(".cl-phase-label[data-op='all_gather']").wait_for(timeout=5_000)
         assert sharding.locator(".cl-shard.cl-gathered").count() == 4 * 2  # root: tok_emb and lm_head, every rank
         switched = page.locator(".cl-sharding").nth(1)  # zero1 -> zero3 after it was drawn
+        for i, kind in ((0, "zero3"), (2, "hsdp"), (3, "tp_fsdp")):  # the title says what the placements built
+            view = page.locator(".cl-sharding").nth(i)
+            view.scroll_into_view_if_needed()  # JupyterLab draws a cell's output once it is near the viewport
+            view.locator(".cl-sharding-title", has_text="fsdp").wait_for(timeout=10_000)
+            assert view.locator(".cl-sharding-title").inner_text() == ShardingView(layout_records(kind)).title
+        assert "one box = one whole parameter tensor" in sharding.locator(".cl-sharding-legend").inner_text()
         switched.locator(".cl-sharding-title", has_text="fsdp").wait_for(timeout=10_000)
         slice_ = switched.locator(".cl-shard-row[data-rank='1'] .cl-shard-layer[data-layer='params'] .cl-tensor").first
         assert slice_.locator(".cl-shard").get_attribute("data-start") == "8"  # tok_emb rows 8:16 on dp rank 1
         assert "left" in slice_.locator(".cl-shard").evaluate("e => getComputedStyle(e).transitionProperty")
+        check_timelines_and_memory(page)
+        text = page.locator(".jp-OutputArea").evaluate_all("els => els.map((e) => e.innerText).join(' ')")
+        assert not set(text) & set(MISSING_GLYPHS), sorted(set(text) & set(MISSING_GLYPHS))
+        assert page.locator(".cl-play svg.cl-icon").count() >= 2  # the collective's and the timeline's
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "widgets.png"), full_page=True)
+
+
+def check_timelines_and_memory(page) -> None:
+    """Chunk labels and shades, idle/wait/transfer as three classes, the legend order, the bubble in words,
+    and the memory view's byte axis."""
+    zbv = page.locator(".cl-timeline").nth(0)
+    zbv.scroll_into_view_if_needed()
+    zbv.locator(".cl-box").nth(15).wait_for(state="attached", timeout=10_000)
+    assert zbv.locator(".cl-box").count() == 16
+    assert zbv.locator(".cl-box[data-chunk='1']").count() == 8
+    assert zbv.locator(".cl-lane[data-rank='0'] .cl-box[data-stage='3']").first.inner_text() == "mb 0 · chunk 1"
+    assert zbv.locator(".cl-lane[data-rank='1'] .cl-box[data-stage='1']").first.inner_text() == "mb 0 · chunk 0"
+    shade = [zbv.locator(f".cl-box[data-kind='F'][data-chunk='{c}']").first.evaluate(
+        "e => getComputedStyle(e).backgroundColor") for c in (0, 1)]
+    assert shade[0] != shade[1]
+    zbv.locator(".cl-planned-toggle").click()
+    zbv.locator(".cl-planned-box").nth(15).wait_for(state="attached", timeout=5_000)
+    assert "chunk" in zbv.locator(".cl-planned-box[data-chunk='1']").first.inner_text()
+    for cls in ("cl-idle", "cl-wait", "cl-transfer"):
+        assert zbv.locator(f".cl-track .{cls}").count() >= 1, cls
+    assert zbv.locator(".cl-wait.cl-transfer, .cl-idle.cl-wait, .cl-idle.cl-transfer").count() == 0
+    styles = [zbv.locator(f".cl-track .{cls}").first.evaluate(
+        "e => { const s = getComputedStyle(e); return s.backgroundImage + '|' + s.backgroundColor; }")
+        for cls in ("cl-idle", "cl-wait", "cl-transfer")]
+    assert len(set(styles)) == 3 and "gradient" in styles[1]  # blank, hatched, solid
+    legend = zbv.locator(".cl-legend-item").evaluate_all("els => els.map((e) => e.dataset.kind)")
+    assert [k for k in legend if k] == ["F", "B", "wait", "transfer", "idle"]
+    assert "waiting" in zbv.locator(".cl-legend").inner_text() and "chunk 1" in zbv.locator(".cl-legend").inner_text()
+
+    page.locator(".cl-timeline").nth(1).scroll_into_view_if_needed()
+    words = page.locator(".cl-timeline").nth(1).locator(".cl-bubble").inner_text()
+    for said in ("bubble fraction (p-1)/(m+p-1)", "Megatron's ratio (p-1)/m = bubble time / ideal time",
+                 "makespan", "first compute start to last compute end", "whole step", "optimizer"):
+        assert said in words, said
+
+    memory = page.locator(".cl-memory").first
+    memory.scroll_into_view_if_needed()
+    memory.locator(".cl-mem-table").nth(3).wait_for(timeout=10_000)
+    ticks = memory.locator(".cl-mem-axis .cl-mem-tick")
+    assert ticks.count() >= 3 and ticks.first.inner_text().startswith("0 ")
+    assert "KiB" in ticks.last.inner_text() and "bytes" in memory.locator(".cl-mem-axis-label").inner_text()
+    assert memory.locator(".cl-mem-table").count() == 4
+    assert memory.locator(".cl-mem-table tr[data-category='params'] .cl-mem-predicted-bytes").count() == 4

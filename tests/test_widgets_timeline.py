@@ -15,11 +15,11 @@ from kernels.records import MemoryRecord, RecordShapeError, TraceEvent
 from lab.timeline import bubble, planned_order, simulate
 from tests.test_widgets import RecordingComm, fake_comm  # noqa: F401  (the shared fake comm fixture)
 from widgets.memory_view import CATEGORIES, MemoryView, _memory_state, plot_memory
-from widgets._timeline import _columns, _mean_ms, _planned_layout, _rows, _timeline_state
+from widgets._timeline import _columns, _idle, _mean_ms, _planned_layout, _rows, _timeline_state
 from widgets.pipeline_timeline import PipelineTimeline, plot_timeline
 
 matplotlib.use("Agg")
-TIMELINE_TRAITS = ["ranks", "events", "planned", "plan_match", "mean_ms", "span_ms", "bubble"]
+TIMELINE_TRAITS = ["ranks", "events", "idle", "planned", "plan_match", "mean_ms", "span_ms", "bubble"]
 MEMORY_TRAITS = ["ranks", "moments", "categories", "bars", "scale", "moment"]
 COSTS = {"F": 0.0101234567, "B": 0.0203456789, "I": 0.0101111111, "W": 0.0099999999}
 
@@ -45,7 +45,8 @@ def trace_events(schedule: str = "1f1b", pp: int = 4, m: int = 8, *, split: bool
             t = epoch + e.end
             out.append(TraceEvent(e.rank, e.stage, "send", e.microbatch, t, t + 2e-5, step=step, peer=peer,
                                   nbytes=4096))
-            out.append(TraceEvent(peer, e.stage, "recv", e.microbatch, t, t + 3e-5, step=step, peer=e.rank,
+            # the receiving stage tags its recv (kernels/trace.py): one stage per rank here
+            out.append(TraceEvent(peer, peer, "recv", e.microbatch, t, t + 3e-5, step=step, peer=e.rank,
                                   nbytes=4096))
     end = epoch + max(e.end for e in compute)
     for r in range(pp):
@@ -150,6 +151,44 @@ def test_state_message_through_the_comm_stays_under_200_kb(fake_comm):
     assert state["_esm"].startswith("//") and ".cl-timeline" in state["_css"]
 
 
+# --- chunks, waiting, idle ------------------------------------------------------------------------
+def ev(rank, kind, start_ms, end_ms, stage=None, mb=None, peer=None, action=""):
+    return TraceEvent(rank, stage, kind, mb, start_ms / 1e3, end_ms / 1e3, action=action, peer=peer).to_dict()
+
+
+def test_each_box_knows_which_of_its_ranks_stages_it_is():
+    # interleaved, p=2, v=2: rank 0 holds stages 0 and 2, rank 1 holds 1 and 3
+    events = [ev(0, "forward", 0, 1, 0, 0, action="F"), ev(1, "forward", 1, 2, 1, 0, action="F"),
+              ev(0, "forward", 2, 3, 2, 0, action="F"), ev(1, "forward", 3, 4, 3, 0, action="F"),
+              ev(0, "optimizer", 5, 6)]
+    cols = _columns(events)
+    assert [(r, s, c) for r, s, c in zip(cols["rank"], cols["stage"], cols["chunk"])] == \
+        [(0, 0, 0), (1, 1, 0), (0, 2, 1), (1, 3, 1), (0, None, None)]
+    plan = _planned_layout({0: [[0, "F", 0], [2, "F", 0]], 1: [[1, "F", 0], [3, "F", 0]]}, {"F": 1.0})
+    assert sorted(zip(plan["stage"], plan["chunk"])) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def test_a_recv_waits_until_its_peer_sends_and_a_collective_until_the_last_rank_enters():
+    events = [ev(1, "recv", 0, 6, 1, 0, peer=0), ev(0, "send", 5, 5.5, 0, 0, peer=1),
+              ev(0, "all_reduce", 10, 13), ev(1, "all_reduce", 12, 13), ev(1, "optimizer", 13, 14)]
+    cols = _columns(events)
+    ready = {(r, k): v for r, k, v in zip(cols["rank"], cols["kind"], cols["ready"])}
+    assert ready[(1, "recv")] == 5.0  # blocked 0..5 ms waiting, data moving 5..6 ms
+    assert ready[(0, "send")] == 5.0  # the recv was already posted: no wait on the sender
+    assert ready[(0, "all_reduce")] == 12.0 and ready[(1, "all_reduce")] == 12.0
+    assert ready[(1, "optimizer")] is None  # rank-wide work, not communication
+
+
+def test_idle_gaps_are_the_time_between_compute_actions_within_the_makespan():
+    events = [ev(0, "forward", 0, 2, 0, 0, action="F"), ev(1, "forward", 3, 5, 1, 0, action="F"),
+              ev(0, "forward", 4, 6, 0, 1, action="F")]
+    idle = _idle(_columns(events))
+    assert list(zip(idle["rank"], idle["start"], idle["end"])) == [(0, 2.0, 4.0), (1, 0.0, 3.0), (1, 5.0, 6.0)]
+    busy = {0: 4.0, 1: 2.0}  # what BubbleReport counts: idle = makespan - busy per rank
+    for r in (0, 1):
+        assert sum(e - s for rr, s, e in zip(*idle.values()) if rr == r) == pytest.approx(6.0 - busy[r])
+
+
 # --- bubble and plan ----------------------------------------------------------------------------------
 def test_bubble_numbers_pass_through_unchanged():
     events = trace_events(pp=4, m=8)
@@ -166,7 +205,7 @@ def test_planned_overlay_lays_the_plan_out_with_the_measured_mean_durations():
     events = trace_events(pp=4, m=8)
     state = _timeline_state(events, None, plans("1f1b", 4, 8))
     plan, cols = state["planned"], state["events"]
-    assert sorted(plan) == ["end", "kind", "mb", "rank", "stage", "start"]
+    assert sorted(plan) == ["chunk", "end", "kind", "mb", "rank", "stage", "start"]
     assert len(plan["rank"]) == 4 * 16
     # the measured run followed the plan at the same costs, so the overlay lands on the measured boxes
     measured = sorted((r, s, k, m, a, b) for r, s, k, m, a, b in zip(*(cols[c] for c in
@@ -270,8 +309,13 @@ def test_plot_timeline_draws_one_lane_per_rank_and_a_box_per_compute_action():
     boxes = [p for p in ax.patches if (p.get_gid() or "").startswith("box:")]
     assert len(boxes) == 4 * 8 * 3
     assert {p.get_gid() for p in boxes} == {"box:F", "box:I", "box:W"}
-    assert len([p for p in ax.patches if p.get_gid() == "comm"]) == len(events) - 96
+    comm = [e for e in events if e["kind"] not in ("forward", "backward", "backward_weight", "optimizer")]
+    assert len([p for p in ax.patches if p.get_gid() in ("wait", "transfer")]) >= len(comm)
+    assert len([p for p in ax.patches if p.get_gid() == "comm"]) == 4  # the optimizer step on each rank
     assert "measured bubble" in ax.get_title() and "synthetic" not in ax.get_title()
+    assert "bubble fraction (p-1)/(m+p-1)" in ax.get_title() and "bubble time / ideal time" in ax.get_title()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:3] == ["F forward", "I backward, input grad", "W backward, weight grad"]
 
 
 def test_plot_memory_draws_a_measured_and_a_predicted_bar_per_rank():
@@ -330,3 +374,10 @@ def test_bubble_of_another_shape_fails_naming_the_key():
     report = bubble(trace_events("1f1b", 2, 2), "1f1b", 2, 2).to_dict()
     with pytest.raises(RecordShapeError, match="BubbleReport: unknown key 'idle_mean'"):
         PipelineTimeline(trace_events(pp=2, m=2), {**report, "idle_mean": report["mean"]})
+
+
+def test_memory_view_update_shows_another_run_and_keeps_a_moment_it_has():
+    view = MemoryView(mem_records(dp=4), moment="peak_fwd_bwd")
+    view.update(mem_records(dp=2))
+    assert view.ranks == [0, 1] and view.moment == "peak_fwd_bwd"
+    assert view.bars == _memory_state(mem_records(dp=2))["bars"]

@@ -14,7 +14,7 @@ from tests.conftest import start_pool
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 # Every layout a world of one rank admits (dp = tp = pp = 1).
-WORLD_ONE_LAYOUTS = [dict(), dict(zero=1), dict(zero=2), dict(zero=3), dict(zero=3, mixed_precision="bf16"),
+WORLD_ONE_LAYOUTS = [dict(), dict(mixed_precision="bf16"), dict(zero=1), dict(zero=2), dict(zero=3), dict(zero=3, mixed_precision="bf16"),
                      dict(zero=3, cpu_offload=True), dict(activation_checkpointing=True), dict(microbatches=2)]
 
 

@@ -53,8 +53,13 @@ def _shard_axes(info: dict[str, Any], dim: int, skip: tuple[str, ...] = ()) -> l
 
 
 def _axis_sizes(records: list[dict[str, Any]]) -> dict[str, int]:
-    """Mesh axis sizes: pp/dp/tp from the coordinates, HSDP's dp_shard inferred from the local shapes."""
+    """Mesh axis sizes: pp/dp/tp from the coordinates; how dp splits into shards and replicas from the
+    placements: a Shard over the ``dp`` axis splits parameters dp ways (FSDP, ZeRO-3), a Shard over
+    HSDP's ``dp_shard`` axis splits them as many ways as the local shapes say, no dp Shard replicates."""
     sizes = {a: 1 + max(r["coords"].get(a, 0) for r in records) for a in ("pp", "dp", "tp")}
+    if any("dp" in _shard_axes(info, d) for r in records for _, info in _params(r)
+           for d in range(min(2, len(info["global_shape"])))):
+        return {**sizes, "dp_shard": sizes["dp"], "dp_replicate": 1}
     votes: Counter = Counter()
     for r in records:
         for _, info in _params(r):
@@ -139,8 +144,21 @@ def _sharding_view(layout: Any) -> dict[str, Any]:
     fsdp = first.get("strategy") == "fsdp"
     rows = [_row(r, names, sizes, fsdp) for r in records]
     return {"strategy": first.get("strategy", ""), "zero": int(first.get("zero", 0) or 0), "sizes": sizes,
+            "title": _title(first, sizes, list(tensors.values())),
             "tensors": list(tensors.values()), "rows": rows,
             "phases": _fsdp_phases(list(tensors.values()), int(first.get("zero", 3) or 3)) if fsdp else []}
+
+
+def _title(first: dict[str, Any], sizes: dict[str, int], tensors: list[dict[str, Any]]) -> str:
+    """What the view shows, from the built layout: strategy, mesh sizes, how dp splits, the placements."""
+    if not first:
+        return "no layout"
+    mesh = " ".join(f"{a}={sizes[a]}" for a in ("pp", "dp", "tp"))
+    split = f"dp_shard={sizes['dp_shard']} dp_replicate={sizes['dp_replicate']}"
+    how = Counter(", ".join(f"{a}: {p}" for a, p in zip(t["mesh_axes"], t["placements"])) for t in tensors)
+    placed = f"placements [{how.most_common(1)[0][0]}]" if how and how.most_common(1)[0][0] else "plain tensors"
+    owned = " · optimizer state split by parameter (ZeRO-1)" if first.get("optimizer_params") is not None else ""
+    return f"{first.get('strategy', '')} · ZeRO-{int(first.get('zero', 0) or 0)} · {mesh} · {split} · {placed}{owned}"
 
 
 def _fsdp_phases(tensors: list[dict[str, Any]], zero: int) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 
 Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
-``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_max_allocated`` (any other
-category counts as ``other``). On GPU, ``other`` also takes what
+``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
+allocator's view of the same tensors) | ``cuda_max_allocated`` (any other category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
 
 One ``.cl-mem-rank`` per rank: a measured bar of ``.cl-mem-seg[data-category]`` segments
@@ -42,6 +42,8 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r["category"] == "cuda_max_allocated":
             cuda = r.get("measured")
+            continue
+        if r["category"] == "cuda_allocated":  # the allocator's view of the same tensors: not a bar of its own
             continue
         cat = r["category"] if r["category"] in CATEGORIES else "other"
         _add(measured, cat, r.get("measured"))
@@ -87,6 +89,15 @@ class MemoryView(anywidget.AnyWidget):
         if state["moments"] and moment not in state["moments"]:
             raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
         super().__init__(**state, moment=moment, **kwargs)
+
+    def update(self, records: Any) -> None:
+        """Show another run's records (one message); the moment stays if the new records have it."""
+        state = _memory_state(records)
+        with self.hold_sync():
+            for key, value in state.items():
+                setattr(self, key, value)
+            if state["moments"] and self.moment not in state["moments"]:
+                self.moment = state["moments"][0]
 
 
 def plot_memory(records: Any, moment: str = "at_rest"):

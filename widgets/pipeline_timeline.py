@@ -14,7 +14,9 @@ Inputs (``kernels.records`` records, or their ``to_dict()`` dicts, checked by ``
 State is columnar (``_columns``): ``{rank: [], stage: [], kind: [], mb: [], start: [], end: [],
 peer: [], nbytes: []}`` plus ``step`` and ``t0_ms``; times in ms from the step's first event,
 rounded to µs; ``kind`` is the letter F/B/I/W for compute, else the event kind (send, recv,
-all_reduce, optimizer, ...).
+all_reduce, optimizer, ...); ``chunk`` says which of its rank's stages an event belongs to and
+``ready`` where a communication event stops waiting for its peer and starts moving data
+(``widgets._timeline._ready``). ``idle`` holds each rank's gaps between compute actions.
 """
 from __future__ import annotations
 
@@ -25,20 +27,22 @@ import anywidget
 import traitlets
 
 from widgets._esm import view_module
-from widgets._timeline import COLORS, KINDS, _timeline_state
+from widgets._timeline import KINDS, LEGEND_ORDER, SHADES, _timeline_state
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
 
 class PipelineTimeline(anywidget.AnyWidget):
-    """Lanes of F/B/I/W boxes per rank (``.cl-lane`` / ``.cl-box``), p2p and collectives (``.cl-comm``),
-    a play/scrub replay in event order, the bubble beside theory and a planned-order overlay."""
+    """Lanes of F/B/I/W boxes per rank (``.cl-lane`` / ``.cl-box``, labelled with micro-batch and chunk),
+    idle gaps (``.cl-idle``), p2p and collectives cut into waiting (``.cl-wait``) and moving data
+    (``.cl-transfer``), a play/scrub replay in event order, the bubble beside theory and a planned overlay."""
 
     _esm = view_module("pipeline_timeline.js")
     _css = _STATIC / "pipeline_timeline.css"
 
     ranks = traitlets.List().tag(sync=True)  # lane order
     events = traitlets.Dict().tag(sync=True)  # _columns(...): one step, columnar
+    idle = traitlets.Dict().tag(sync=True)  # _idle(...): {rank, start, end} gaps between compute actions
     planned = traitlets.Dict().tag(sync=True)  # _planned_layout(...): {rank, stage, kind, mb, start, end}
     plan_match = traitlets.Dict().tag(sync=True)  # str(rank) -> measured order == planned order
     mean_ms = traitlets.Dict().tag(sync=True)  # letter -> measured mean duration, ms
@@ -64,38 +68,87 @@ class PipelineTimeline(anywidget.AnyWidget):
         self.cursor_ms = float(ms)
 
 
-def _bubble_text(b: dict[str, Any]) -> str:
-    """One line: measured mean and per-rank idle beside theory and Megatron's form, and the cost mode."""
+def _bubble_text(b: dict[str, Any], step_ms: float) -> str:
+    """Three lines: measured bubble beside the theory's fraction and Megatron's ratio, each said in words,
+    and what the makespan and the whole step are."""
     if not b:
         return "no bubble report"
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    ranks = " ".join(f"r{r}={fmt(i)}" for r, i in zip(b.get("ranks", []), b.get("idle", [])))
-    return (f"{b.get('schedule', '')} p={b.get('pp')} m={b.get('microbatches')}: measured bubble {fmt(b.get('mean'))}"
-            f" ({ranks}) · theory {fmt(b.get('theory'))} · Megatron (p-1)/m {fmt(b.get('theory_megatron'))} · "
-            + ("synthetic costs" if b.get("synthetic") else "real compute (per-action overhead included)"))
+    m = "v·m" if b.get("stages_per_rank", 1) > 1 else "m"
+    mode = "synthetic costs" if b.get("synthetic") else "real compute (per-action overhead included)"
+    return (f"{b.get('schedule', '')} p={b.get('pp')} m={b.get('microbatches')}, {mode}: measured bubble "
+            f"(mean idle share of the makespan) {fmt(b.get('mean'))}\n"
+            f"theory: bubble fraction (p-1)/({m}+p-1) = {fmt(b.get('theory'))} · Megatron's ratio (p-1)/{m} = "
+            f"bubble time / ideal time = {fmt(b.get('theory_megatron'))} (not a fraction)\n"
+            f"makespan {b.get('makespan', 0) * 1e3:.1f} ms = first compute start to last compute end · whole step "
+            f"{step_ms:.1f} ms = first to last traced event, incl. p2p, all-reduce, optimizer")
+
+
+_LEGEND_TEXT = {"F": "F forward", "B": "B backward (full)", "I": "I backward, input grad",
+                "W": "W backward, weight grad", "wait": "waiting for the peer (hatched)",
+                "transfer": "transfer: data moving (solid)", "optimizer": "optimizer step", "idle": "idle (blank)"}
+_STYLE = {"wait": {"facecolor": "white", "edgecolor": "#c0392b", "hatch": "////", "linewidth": 0.3},
+          "transfer": {"facecolor": "#c0392b", "edgecolor": "none"},
+          "optimizer": {"facecolor": "#9c755f", "edgecolor": "none"},
+          "idle": {"facecolor": "none", "edgecolor": "#bbbbbb", "linestyle": ":", "linewidth": 0.5}}
+
+
+def _box_label(mb: Any, chunk: int | None, chunks: int) -> str:
+    """What a compute box says, as in the browser: the micro-batch, and the chunk where a rank holds several."""
+    return f"mb {mb} · chunk {chunk}" if chunks > 1 and chunk is not None else f"mb {mb}"
 
 
 def plot_timeline(events: Any, bubble: Any = None, *, step: int | None = None):
-    """Static fallback: a Gantt chart, one lane per rank; compute boxes (gid ``box:<letter>``), comm strips."""
+    """Static fallback: a Gantt chart, one lane per rank; compute boxes (gid ``box:<letter>``) shaded and
+    labelled per chunk, idle gaps (gid ``idle``), comm strips cut into ``wait`` (hatched) and ``transfer``
+    (solid), the optimizer (``comm``), and a legend in the fixed order F, B, I, W, wait, transfer, ..."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Patch, Rectangle
 
     state = _timeline_state(events, bubble, None, step)
     cols, lanes = state["events"], {r: i for i, r in enumerate(state["ranks"])}
-    fig = Figure(figsize=(10, 0.45 * len(lanes) + 1.4))
+    chunks = 1 + max((c for c in cols["chunk"] if c is not None), default=0)
+    fig = Figure(figsize=(10, 0.45 * len(lanes) + 2.2))
     ax = fig.add_subplot()
-    for rank, kind, mb, start, end in zip(*(cols[k] for k in ("rank", "kind", "mb", "start", "end"))):
-        y, compute = lanes[rank], kind in KINDS
-        ax.add_patch(Rectangle((start, y - 0.4 if compute else y + 0.28), end - start, 0.68 if compute else 0.12,
-                               facecolor=COLORS.get(kind, "#888"), edgecolor="white" if compute else "none",
-                               linewidth=0.4, gid=f"box:{kind}" if compute else "comm"))
-        if compute and end - start > state["span_ms"] / 90:
-            ax.text((start + end) / 2, y - 0.06, str(mb), ha="center", va="center", fontsize=6, color="white")
+    present: set[str] = set()
+
+    def strip(y: float, start: float, end: float, what: str) -> None:
+        present.add(what)
+        ax.add_patch(Rectangle((start, y + 0.26), end - start, 0.16, gid="comm" if what == "optimizer" else what,
+                               **_STYLE[what]))
+
+    for rank, kind, mb, start, end, chunk, ready in zip(
+            *(cols[k] for k in ("rank", "kind", "mb", "start", "end", "chunk", "ready"))):
+        y = lanes[rank]
+        if kind in KINDS:
+            present.add(kind)
+            ax.add_patch(Rectangle((start, y - 0.4), end - start, 0.62, facecolor=SHADES[kind][(chunk or 0) % 4],
+                                   edgecolor="white", linewidth=0.4, gid=f"box:{kind}"))
+            label = _box_label(mb, chunk, chunks)
+            if end - start > state["span_ms"] * len(label) / 600:
+                ax.text((start + end) / 2, y - 0.09, label, ha="center", va="center", fontsize=5, color="white")
+        elif ready is None:
+            strip(y, start, end, "optimizer")
+        else:
+            if ready > start:
+                strip(y, start, ready, "wait")
+            if end > ready:
+                strip(y, ready, end, "transfer")
+    for rank, start, end in zip(state["idle"]["rank"], state["idle"]["start"], state["idle"]["end"]):
+        present.add("idle")
+        ax.add_patch(Rectangle((start, lanes[rank] - 0.4), end - start, 0.62, gid="idle", **_STYLE["idle"]))
+    handles = [Patch(label=_LEGEND_TEXT[k], **({"facecolor": SHADES[k][0]} if k in KINDS else _STYLE[k]))
+               for k in LEGEND_ORDER if k in present]
+    handles += [Patch(facecolor=SHADES["F"][c], label=f"chunk {c} (shade)") for c in range(chunks if chunks > 1 else 0)]
+    if handles:
+        ax.legend(handles=handles, fontsize=6, ncol=min(5, len(handles)), loc="upper center",
+                  bbox_to_anchor=(0.5, -0.18), frameon=False)
     idle = dict(zip(state["bubble"].get("ranks", []), state["bubble"].get("idle", [])))
     ax.set_yticks(range(len(lanes)), [f"rank {r}" + (f"\nidle {idle[r]:.2f}" if r in idle else "") for r in lanes],
                   fontsize=7)
     ax.set_xlim(0, state["span_ms"] or 1)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlabel("ms from the step's first event")
-    ax.set_title(_bubble_text(state["bubble"]), fontsize=8)
+    ax.set_xlabel("ms from the step's first event", fontsize=7)
+    ax.set_title(_bubble_text(state["bubble"], max(cols["end"], default=0.0)), fontsize=7)
+    fig.tight_layout()
     return fig

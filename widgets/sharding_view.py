@@ -31,6 +31,7 @@ class ShardingView(anywidget.AnyWidget):
     _css = _STATIC / "sharding_view.css"
 
     strategy = traitlets.Unicode("").tag(sync=True)
+    title = traitlets.Unicode("").tag(sync=True)  # strategy, mesh sizes, dp split and placements (_layout._title)
     zero = traitlets.Int(0).tag(sync=True)
     sizes = traitlets.Dict().tag(sync=True)  # mesh axis -> size
     tensors = traitlets.List().tag(sync=True)  # [{name, shape, unit, placements, mesh_axes, dtype}]
@@ -41,7 +42,8 @@ class ShardingView(anywidget.AnyWidget):
 
     def __init__(self, layout: Any = None, **kwargs: Any) -> None:
         view = _sharding_view(layout if layout is not None else [])
-        super().__init__(strategy=view["strategy"], zero=view["zero"], sizes=view["sizes"], tensors=view["tensors"],
+        super().__init__(strategy=view["strategy"], title=view["title"], zero=view["zero"], sizes=view["sizes"],
+                         tensors=view["tensors"],
                          rows=view["rows"], phases=view["phases"], **kwargs)  # the comm opens with the full state
 
     def set_layout(self, layout: Any) -> None:
@@ -49,7 +51,7 @@ class ShardingView(anywidget.AnyWidget):
         view = _sharding_view(layout)
         with self.hold_sync():
             self.phase = -1
-            self.strategy, self.zero, self.sizes = view["strategy"], view["zero"], view["sizes"]
+            self.strategy, self.title, self.zero, self.sizes = view["strategy"], view["title"], view["zero"], view["sizes"]
             self.tensors, self.rows, self.phases = view["tensors"], view["rows"], view["phases"]
 
     def step(self, n: int = 1) -> int:
@@ -98,6 +100,7 @@ def plot_sharding(layout: Any, layer: str = "params"):
                                       for r in rows], fontsize=7)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xticks([i + 0.45 for i in range(len(tensors))], [t["name"] for t in tensors], rotation=90, fontsize=5)
-    ax.set_title(f"{view['strategy']} (zero {view['zero']}): {layer}, held dim-0 slice of each tensor", fontsize=9)
+    ax.set_title(f"{view['title']}\n{layer}: one box = one whole tensor (same width whatever its size), "
+                 "blue = the dim-0 slice this rank holds", fontsize=7)
     fig.tight_layout()
     return fig

@@ -114,11 +114,13 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     DTensor's sharding-propagation cache keys on meshes, and two meshes over the
     same ranks compare equal whatever their groups: left alone, the next run's
     DTensors would be given this run's (destroyed) mesh by a cache hit ("Could not
-    resolve the process group registered under the name N"). So the cache is
-    cleared first, while these groups are still alive (torch exposes the clearing
-    only as ``torch.distributed.tensor.debug._clear_sharding_prop_cache``).
+    resolve the process group registered under the name N"). DTensor's
+    redistribution caches hold meshes too, and a root mesh holds its groups: left
+    filled, every run's destroyed groups stay alive on a warm pool, gloo threads,
+    sockets and buffers included. So every such cache is cleared first, while these
+    groups are still alive (torch has no public call for this; ``_clear_dtensor_caches``).
     """
-    _clear_dtensor_cache()
+    _clear_dtensor_caches()
     world = dist.group.WORLD
     roots = [mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh for mesh in meshes
              if mesh is not None and mesh.get_coordinate() is not None]  # a non-member created no groups here
@@ -147,11 +149,16 @@ def live_group_count() -> int:
     return len(c10d._world.pg_map) if dist.is_initialized() else 0
 
 
-def _clear_dtensor_cache() -> None:
-    from torch.distributed.tensor import debug
-    clear = getattr(debug, "_clear_sharding_prop_cache", None)
-    if clear is not None:
-        clear()
+def _clear_dtensor_caches() -> None:
+    # Private torch names, looked up softly: a torch without one of them has nothing to clear there.
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    topology = getattr(_collective_utils, "MeshTopoInfo", None)
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),  # op schema -> output specs
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),  # spec pairs
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),  # a planner per mesh
+                  getattr(getattr(topology, "build_from_mesh", None), "cache_clear", None)):  # mesh -> topology
+        if clear is not None:
+            clear()
 
 
 def _main() -> None:

@@ -10,7 +10,9 @@ DDP: Li et al., 2020). The order is fixed, and each step needs the one before:
    backward runs the TP collectives again, inside the block.
 3. Compilation (``compile=True``): each block with ``torch.compile``, after AC so the
    graphs see the checkpointed blocks, before FSDP so FSDP's hooks stay outside them.
-4. Data parallelism last: FSDP2's ``fully_shard`` shards whatever parameters it finds
+4. bf16 autocast (``Strategy.autocast``: bf16 where FSDP2's policy does not apply)
+   around the module's forward, outside the compiled blocks and inside DDP.
+5. Data parallelism last: FSDP2's ``fully_shard`` shards whatever parameters it finds
    (plain tensors, or TP DTensors, giving 2D (dp, tp) DTensors) and its hooks
    surround the recompute; or DDP wraps the model (ZeRO-1 too: its optimizer comes
    from ``kernels.parallel.zero1.build_zero1_optimizer``). Inside a pipeline the
@@ -26,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.parallel.activation_checkpoint import apply_ac
+from kernels.parallel.autocast import apply_autocast
 from kernels.parallel.compile_blocks import apply_compile
 from kernels.parallel.ddp import apply_ddp
 from kernels.parallel.fsdp import apply_fsdp
@@ -45,9 +48,11 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, dp_mesh:
         apply_ac(model)
     if strategy.compile:  # 3. torch.compile, per block
         apply_compile(model)
-    if strategy.grad_sync is GradSync.FSDP:  # 4a. FSDP on the dp axis (2D with TP)
+    if strategy.autocast:  # 4. bf16 without FSDP2: autocast around forward
+        apply_autocast(model, mesh.device_type)
+    if strategy.grad_sync is GradSync.FSDP:  # 5a. FSDP on the dp axis (2D with TP)
         apply_fsdp(model, dp_mesh if dp_mesh is not None else mesh["dp"], zero_stage=strategy.zero,
                    hybrid=strategy.hybrid, mixed_precision=strategy.mixed_precision, cpu_offload=strategy.cpu_offload)
-    elif strategy.grad_sync in (GradSync.DDP, GradSync.ZERO1) and strategy.pp == 1 and strategy.dp > 1:  # 4b. DDP
+    elif strategy.grad_sync in (GradSync.DDP, GradSync.ZERO1) and strategy.pp == 1 and strategy.dp > 1:  # 5b. DDP
         model = apply_ddp(model, mesh["dp"])
     return model

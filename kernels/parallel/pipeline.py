@@ -138,11 +138,11 @@ def build_pipeline(model_cfg: GPTConfig | dict, schedule: str, pp_rank: int, pp_
                            device, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids)
 
 
-def pipeline_step(runtime: PipelineRuntime, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+def pipeline_step(runtime: PipelineRuntime, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
     """Run one forward+backward over ``inputs`` (B, T) split into m micro-batches.
 
     Gradients accumulate in the stage modules (call the optimizer yourself). Returns
-    the mean micro-batch loss on the rank holding the last stage, None elsewhere.
+    the mean micro-batch loss (a device scalar) on the rank holding the last stage, None elsewhere.
     Every rank of the pipeline must call this; only the first/last use inputs/targets.
     """
     args = (inputs.to(runtime.device),) if runtime.has_first else ()  # (B, T) token ids
@@ -155,17 +155,17 @@ def pipeline_step(runtime: PipelineRuntime, inputs: torch.Tensor, targets: torch
     if not runtime.has_last:
         return None
     # Each entry is loss_i / m, so their sum is the mean over micro-batches.
-    return float(torch.stack([loss.detach().float() for loss in losses]).sum())
+    return torch.stack([loss.detach().float() for loss in losses]).sum()
 
 
-def share_loss(loss: float | None, pp_group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+def share_loss(loss: torch.Tensor | None, pp_group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
     """This replica's loss on every rank of its pipeline, as a float64 scalar tensor.
 
     Exactly one rank of a pp group holds the last stage (``pipeline_step`` returns its
     loss, None elsewhere), so all_reduce(SUM) over the pp group acts as a broadcast
     from it without knowing its global rank (pp rank p-1, or 0 for the V schedules).
     """
-    value = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64, device=device)
+    value = torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss.to(device, torch.float64)
     dist.all_reduce(value, group=pp_group)
     return value
 

@@ -10,8 +10,10 @@ Zhao et al., 2023) and the rules for combining them:
   (dp, 1) HSDP mesh: DDP cannot take TP's DTensors;
 - inside a pipeline, zero 0 with dp > 1 averages gradients by hand after the schedule
   (one all_reduce per gradient, shard by shard for TP DTensors);
-- ZeRO-1 cannot shard DTensors; bf16 and CPU offload are FSDP2 policies (zero >= 2);
-  loss parallelism needs the loss outside the pipeline schedule.
+- ZeRO-1 cannot shard DTensors; CPU offload is an FSDP2 policy (zero >= 2);
+- bf16 is FSDP2's MixedPrecisionPolicy where FSDP2 syncs gradients, and
+  ``torch.autocast`` around each module's forward everywhere else (``Strategy.autocast``);
+- loss parallelism needs the loss outside the pipeline schedule.
 
 Run alone (prints the strategy of a few layouts)::
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from kernels import layout_rules
 from kernels.parallel.mesh import ParallelDims
+from kernels.run_config import RunConfig
 
 
 class GradSync(enum.Enum):
@@ -50,7 +53,7 @@ class Strategy:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     activation_checkpointing: bool = False
-    mixed_precision: str | None = None  # "bf16": FSDP2's MixedPrecisionPolicy
+    mixed_precision: str | None = None  # "bf16": FSDP2's MixedPrecisionPolicy, or autocast without FSDP2
     cpu_offload: bool = False
     compile: bool = False  # torch.compile each block
     schedule: str | None = None  # pipeline schedule (pp > 1)
@@ -58,11 +61,34 @@ class Strategy:
     microbatches: int = 1
 
     @property
+    def autocast(self) -> bool:
+        """bf16 through ``torch.autocast`` (``kernels.parallel.autocast``): every bf16 layout FSDP2 does not sync."""
+        return self.mixed_precision == "bf16" and self.grad_sync is not GradSync.FSDP
+
+    @property
     def kind(self) -> str:
         """The name the records carry: single/tp/ddp/zero1/fsdp, or with pp pp/allreduce/zero1/fsdp."""
         if self.grad_sync is GradSync.NONE:
             return "pp" if self.pp > 1 else ("tp" if self.tp > 1 else "single")
         return self.grad_sync.value
+
+    def describe(self) -> str:
+        """One line: the mesh sizes and how the dp replicas' gradients meet (the torchrun CLI prints it)."""
+        sizes = f"pp {self.pp} x dp {self.dp} x tp {self.tp}"
+        if self.grad_sync is not GradSync.FSDP:
+            return f"{sizes}: {_SYNC_WORDS[self.grad_sync]}"
+        if self.hybrid and self.dp_replicate == self.dp:  # one shard per replica: replication
+            why = "; DDP itself cannot take TP's DTensors" if self.tp > 1 else ""
+            return (f"{sizes}: FSDP2 replicating over dp (HSDP, {self.dp} replicas of 1 shard): whole parameters, "
+                    f"gradients all-reduced as under DDP{why}")
+        shards = self.dp // self.dp_replicate
+        hsdp = f" as HSDP ({self.dp_replicate} replicas of {shards} shards)" if self.hybrid else ""
+        return f"{sizes}: FSDP2 ZeRO-{self.zero}{hsdp}"
+
+
+_SYNC_WORDS = {GradSync.NONE: "no gradient sync (dp 1)", GradSync.DDP: "DDP (bucketed gradient all-reduce)",
+               GradSync.ZERO1: "ZeRO-1 (gradient all-reduce, sharded optimizer state)",
+               GradSync.ALLREDUCE: "one all_reduce per gradient after the schedule"}
 
 
 def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | None = None, dp_replicate: int | None = None,
@@ -76,8 +102,8 @@ def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | 
     replicate = layout_rules.hsdp_split(dims.dp, dp_replicate)[0] if hybrid else 1
     if zero == 1 and dims.tp > 1:
         raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: use zero 2/3 with tp > 1")
-    if (mixed_precision or cpu_offload) and zero < 2 and not (dims.tp > 1 and dims.dp > 1 and dims.pp == 1):
-        raise ValueError("mixed_precision and cpu_offload are FSDP2 policies: they need zero 2 or 3")
+    if cpu_offload and zero < 2 and not (dims.tp > 1 and dims.dp > 1 and dims.pp == 1):
+        raise ValueError("cpu_offload is an FSDP2 policy: it needs zero 2 or 3")
     if dims.pp > 1:
         if loss_parallel:  # vocab-sharded logits would need loss_parallel() around every stage's backward
             raise ValueError("loss_parallel is not supported with pp > 1: the pipeline schedule owns the loss")
@@ -100,8 +126,21 @@ def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | 
                     cpu_offload=bool(cpu_offload), compile=bool(compile), **pipeline)
 
 
+def run_strategy(run: RunConfig, world_size: int | None = None) -> tuple[ParallelDims, Strategy]:
+    """The mesh sizes and the Strategy ``run`` means on ``world_size`` ranks (default: dp * tp * pp)."""
+    probe = ParallelDims(dp=run.dp, tp=run.tp, pp=run.pp, world_size=world_size or run.dp * run.tp * run.pp)
+    strategy = resolve_strategy(
+        probe, zero=run.zero, fsdp_strategy=run.fsdp_strategy, dp_replicate=run.dp_replicate,
+        sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
+        activation_checkpointing=run.activation_checkpointing, mixed_precision=run.mixed_precision,
+        cpu_offload=run.cpu_offload, compile=run.compile, schedule=run.schedule if run.pp > 1 else None,
+        stages_per_rank=run.stages_per_rank, microbatches=run.microbatches)
+    return ParallelDims(dp=run.dp, tp=run.tp, pp=run.pp, world_size=probe.world_size,
+                        dp_replicate=strategy.dp_replicate), strategy
+
+
 if __name__ == "__main__":
     for sizes, opts in (({"dp": 4}, {}), ({"dp": 2, "tp": 2}, {}), ({"dp": 4}, {"fsdp_strategy": "hybrid"}),
                         ({"pp": 2, "dp": 2}, {"schedule": "zbv"})):
         dims = ParallelDims(world_size=sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1), **sizes)
-        print(sizes, opts, "->", resolve_strategy(dims, **opts))
+        print(sizes, opts, "->", resolve_strategy(dims, **opts).describe())

@@ -44,7 +44,7 @@ function renderRing(view, k) {
       const label = row.length > 1 ? `c${c}` : "x";
       const values = cell ? cell.v.map(fmt).join(", ") : "";
       if (values) chunk.textContent = `${label}: [${values}] Σ{${cell.from.join("+")}}`;
-      else chunk.textContent = `${label}: ${cell ? "∅ (empty chunk)" : "·"}`;
+      else chunk.textContent = `${label}: ${cell ? "(empty chunk)" : "·"}`;
       box.appendChild(chunk);
     });
     const send = sendText(f.sends, i);
@@ -98,10 +98,12 @@ function render({ model, el }) {
     const k = Math.max(0, Math.min(frames.length - 1, model.get("frame")));
     const controls = h("div", "cl-controls");
     const last = frames.length - 1;
-    const buttons = [["cl-reset", "reset", () => setFrame(0)], ["cl-back", "◀", () => setFrame(Math.max(0, k - 1))],
-      ["cl-play", timer ? "⏸" : "▶", () => toggle()], ["cl-next", "▶|", () => setFrame(Math.min(last, k + 1))]];
-    buttons.forEach(([cls, text, fn]) => {
-      const b = h("button", cls, text);
+    const buttons = [["cl-reset", null, "reset", () => setFrame(0)],
+      ["cl-back", "back", "previous step", () => setFrame(Math.max(0, k - 1))],
+      ["cl-play", timer ? "pause" : "play", timer ? "pause" : "play", () => toggle()],
+      ["cl-next", "next", "next step", () => setFrame(Math.min(last, k + 1))]];
+    buttons.forEach(([cls, name, label, fn]) => {
+      const b = name ? setButton(h("button", cls), name, "", label) : h("button", cls, label);
       b.onclick = fn;
       controls.appendChild(b);
     });

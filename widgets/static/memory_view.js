@@ -1,6 +1,8 @@
 // MemoryView: per rank (`.cl-mem-rank`, data-rank) a measured stacked bar (`.cl-mem-measured`) of
 // `.cl-mem-seg[data-category]` beside the predicted one (`.cl-mem-predicted`), and a `.cl-mem-formula`
-// tick at the ZeRO reference. `.cl-mem-moment[data-moment]` buttons write `moment`. Every bar shares one scale.
+// tick at the ZeRO reference. `.cl-mem-moment[data-moment]` buttons write `moment`. Every bar shares one scale,
+// read on the `.cl-mem-axis` (bytes, `.cl-mem-tick` labels); under each rank a `.cl-mem-table` gives the
+// measured and predicted bytes per category.
 
 const LABELS = { params: "parameters", grads: "gradients", optimizer: "optimizer state",
   activations: "activations", other: "other" };
@@ -12,7 +14,15 @@ const CSS = `
 .cl-mem-moment.cl-active { font-weight: bold; border-bottom: 2px solid #4e79a7; }
 .cl-mem-legend { display: flex; gap: 10px; margin: 4px 0; flex-wrap: wrap; }
 .cl-mem-swatch { display: inline-block; width: 10px; height: 10px; margin-right: 3px; vertical-align: -1px; }
-.cl-mem-ranks { display: flex; gap: 14px; align-items: flex-end; padding: 4px; }
+.cl-mem-plot { display: flex; align-items: flex-start; }
+.cl-mem-axis { position: relative; height: 220px; width: 64px; margin: 4px 4px 0 0; border-right: 1px solid #777;
+  flex: none; }
+.cl-mem-tick { position: absolute; right: 0; transform: translateY(50%); font-size: 10px; color: #444;
+  padding-right: 5px; white-space: nowrap; }
+.cl-mem-tick::after { content: ""; position: absolute; right: -1px; top: 50%; width: 4px; border-top: 1px solid #777; }
+.cl-mem-axis-label { position: absolute; left: 0; top: -2px; font-size: 10px; color: #444;
+  transform: rotate(-90deg) translateX(-100%); transform-origin: left top; white-space: nowrap; }
+.cl-mem-ranks { display: flex; gap: 14px; align-items: flex-start; padding: 4px; }
 .cl-mem-rank { display: flex; flex-direction: column; align-items: center; }
 .cl-mem-bars { position: relative; height: 220px; display: flex; gap: 3px; align-items: flex-end; }
 .cl-mem-bar { width: 26px; height: 100%; display: flex; flex-direction: column-reverse; }
@@ -21,6 +31,9 @@ const CSS = `
 .cl-mem-formula { position: absolute; left: -3px; right: -3px; border-top: 2px dashed #000; transition: bottom 0.4s; }
 .cl-mem-label { font-size: 11px; margin-top: 3px; text-align: center; }
 .cl-mem-total { font-size: 10px; color: #555; text-align: center; }
+.cl-mem-table { font-size: 10px; border-collapse: collapse; margin-top: 2px; }
+.cl-mem-table td, .cl-mem-table th { padding: 0 3px; text-align: right; font-weight: normal; }
+.cl-mem-table th { color: #555; }
 `;
 
 function bytes(v) {
@@ -29,6 +42,44 @@ function bytes(v) {
   let k = 0;
   while (Math.abs(v) >= 1024 && k < units.length - 1) { v /= 1024; k++; }
   return `${k ? v.toFixed(2) : v} ${units[k]}`;
+}
+
+// A round top for the shared scale and its ticks: 1, 2 or 5 times a power of ten of a binary unit.
+function ticks(scale) {
+  const units = [["B", 1], ["KiB", 1024], ["MiB", 1024 ** 2], ["GiB", 1024 ** 3], ["TiB", 1024 ** 4]];
+  const [unit, size] = units.filter(([, u]) => scale / u >= 1).pop() || units[0];
+  const raw = scale / size / 5;
+  const p = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * p).find((x) => x >= raw);
+  const count = Math.ceil(scale / size / step - 1e-9);
+  return { unit, top: count * step * size, values: [...Array(count + 1).keys()].map((k) => k * step * size),
+    label: (v) => `${+(v / size).toPrecision(6)} ${unit}` };
+}
+
+function axis(t) {
+  const ax = h("div", "cl-mem-axis");
+  for (const v of t.values) {
+    const tick = h("span", "cl-mem-tick", t.label(v));
+    tick.dataset.bytes = v;
+    tick.style.bottom = `${(100 * v) / t.top}%`;
+    ax.appendChild(tick);
+  }
+  ax.appendChild(h("span", "cl-mem-axis-label", `bytes (${t.unit})`));
+  return ax;
+}
+
+function table(b, cats) {
+  const t = h("table", "cl-mem-table");
+  const head = t.appendChild(h("tr"));
+  head.append(h("th", null, ""), h("th", null, "measured"), h("th", null, "predicted"));
+  for (const cat of cats) {
+    if (!b.measured[cat] && !(cat in b.predicted)) continue;
+    const row = t.appendChild(h("tr"));
+    row.dataset.category = cat;
+    row.append(h("th", null, LABELS[cat] || cat), h("td", "cl-mem-measured-bytes", bytes(b.measured[cat])),
+      h("td", "cl-mem-predicted-bytes", cat in b.predicted ? bytes(b.predicted[cat]) : "no rule"));
+  }
+  return t;
 }
 
 function bar(cls, values, b, scale, cats, what) {
@@ -56,7 +107,8 @@ function render({ model, el }) {
   function draw() {
     const moment = model.get("moment");
     const bars = (model.get("bars") || {})[moment] || [];
-    const scale = model.get("scale") || 1;
+    const t = ticks(model.get("scale") || 1);
+    const scale = t.top;
     const cats = model.get("categories");
     const frag = document.createDocumentFragment();
     const tabs = h("div", "cl-mem-moments");
@@ -74,7 +126,8 @@ function render({ model, el }) {
       item.append(sw, LABELS[cat] || cat);
       legend.appendChild(item);
     }
-    legend.append("left bar: measured · right (dashed): predicted · black dashes: ZeRO formula");
+    legend.append("per rank: left bar measured, right bar (faded, dashed) predicted by the exact rule; "
+      + "black dashes: the ZeRO formula");
     const ranks = h("div", "cl-mem-ranks");
     if (!bars.length) ranks.textContent = "no memory records";
     for (const b of bars) {
@@ -91,10 +144,13 @@ function render({ model, el }) {
       }
       const cuda = b.cuda_max_allocated === null ? "" : ` · cuda max ${bytes(b.cuda_max_allocated)}`;
       col.append(area, h("div", "cl-mem-label", `rank ${b.rank}`),
-        h("div", "cl-mem-total", `${bytes(b.total)} | ${bytes(b.predicted_total)}${cuda}`));
+        h("div", "cl-mem-total", `total: measured ${bytes(b.total)} · predicted ${bytes(b.predicted_total)}${cuda}`),
+        table(b, cats));
       ranks.appendChild(col);
     }
-    frag.append(tabs, legend, ranks);
+    const plot = h("div", "cl-mem-plot");
+    plot.append(axis(t), ranks);
+    frag.append(tabs, legend, plot);
     root.replaceChildren(frag);
   }
 

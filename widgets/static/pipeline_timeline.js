@@ -1,11 +1,19 @@
 // PipelineTimeline: one `.cl-lane` per rank (data-rank) holding `.cl-box` compute actions (data-kind F|B|I|W,
-// data-mb, data-stage) and `.cl-comm` markers (send, recv, collectives, optimizer); a `.cl-axis` in ms;
+// data-mb, data-stage, data-chunk: which of the rank's stages, shaded per chunk, labelled "mb 3 · chunk 1"),
+// `.cl-idle` gaps between them (blank), and `.cl-comm` strips (send, recv, collectives, optimizer) cut into
+// `.cl-wait` (hatched: blocked before the peer arrived) and `.cl-transfer` (solid: data moving); a `.cl-axis` in ms;
 // replay in event order with `.cl-play` and `.cl-scrub`; the bubble in `.cl-bubble`; the planned order as
 // `.cl-planned-box` rows shown by `.cl-planned-toggle`. Reads every trait; writes `cursor_ms` and
 // `show_planned`. The DOM is built once per state change (one DocumentFragment); the time that took,
 // layout included, is written to `.cl-timeline[data-render-ms]`.
 
 const LABEL = { F: "forward", B: "backward (full)", I: "backward, input grad", W: "backward, weight grad" };
+const LEGEND = [["F", "F forward"], ["B", "B backward (full)"],
+  ["I", "I backward, input grad"], ["W", "W backward, weight grad"],
+  ["wait", "waiting (hatched): blocked in send/recv/collective before the peer was there"],
+  ["transfer", "transfer (solid): data moving, both sides in"],
+  ["optimizer", "optimizer step"],
+  ["idle", "idle (blank): no compute on this rank"]]; // fixed order, whatever the data's order
 
 const pct = (v, span) => `${(100 * v) / span}%`;
 const f3 = (v) => (v === null || v === undefined ? "n/a" : Number(v).toFixed(3));
@@ -34,15 +42,22 @@ function axis(span) {
 
 function tip(c, i) {
   const k = c.kind[i];
-  const when = `${ms(c.start[i])} → ${ms(c.end[i])} (${ms(c.end[i] - c.start[i])})`;
-  if (LABEL[k]) return `${k}: ${LABEL[k]}\nrank ${c.rank[i]} · stage ${c.stage[i]} · micro-batch ${c.mb[i]}\n${when}`;
+  const when = `${ms(c.start[i])} to ${ms(c.end[i])} (${ms(c.end[i] - c.start[i])})`;
+  const chunk = c.chunk[i] === null ? "" : ` (chunk ${c.chunk[i]} of this rank)`;
+  if (LABEL[k]) return `${k}: ${LABEL[k]}\nrank ${c.rank[i]} · stage ${c.stage[i]}${chunk} · micro-batch ${c.mb[i]}\n${when}`;
   const peer = c.peer[i] === null ? "" : ` ${k === "send" ? "to" : "from"} rank ${c.peer[i]}`;
   const what = c.stage[i] === null ? "" : ` · stage ${c.stage[i]} · micro-batch ${c.mb[i]}`;
   const bytes = c.nbytes[i] ? ` · ${c.nbytes[i]} bytes` : "";
   return `${k}${peer}\nrank ${c.rank[i]}${what}${bytes}\n${when}`;
 }
 
-function bubbleBox(b) {
+function line(...parts) {
+  const d = h("div", "cl-bubble-line");
+  d.append(...parts);
+  return d;
+}
+
+function bubbleBox(b, stepMs) {
   const box = h("div", "cl-bubble");
   if (!b || b.mean === undefined) {
     box.textContent = "no bubble report given";
@@ -52,13 +67,16 @@ function bubbleBox(b) {
   const vm = v > 1 ? "v·m" : "m";
   const head = h("div", "cl-bubble-head");
   const theory = b.theory === null || b.theory === undefined
-    ? [" · theory: ", h("b", "cl-bubble-theory", "n/a"), " (no closed form for this schedule; compare with 1F1B)"]
-    : [` · theory (p-1)/(${vm}+p-1) `, h("b", "cl-bubble-theory", f3(b.theory)),
-      ` · Megatron (p-1)/${vm === "m" ? "m" : "(v·m)"} `, h("b", "cl-bubble-megatron", f3(b.theory_megatron))];
-  head.append(`${b.schedule} · p=${b.pp} · m=${b.microbatches}${v > 1 ? ` · v=${v}` : ""} · step ${b.step}: `,
-    "measured bubble (mean) ", h("b", "cl-bubble-mean", f3(b.mean)), ...theory, " · ",
+    ? [line("theory: ", h("b", "cl-bubble-theory", "n/a"), " (no closed form for this schedule; compare with 1F1B)")]
+    : [line(`theory: bubble fraction (p-1)/(${vm}+p-1) = `, h("b", "cl-bubble-theory", f3(b.theory)),
+      " (share of the makespan a rank is idle, the same kind of number as the measured one)"),
+    line(`Megatron's ratio (p-1)/${vm === "m" ? "m" : "(v·m)"} = bubble time / ideal time = `,
+      h("b", "cl-bubble-megatron", f3(b.theory_megatron)), " (not a fraction: it can exceed 1)")];
+  head.append(`${b.schedule} · p=${b.pp} · m=${b.microbatches}${v > 1 ? ` · v=${v}` : ""} · step ${b.step} · `,
     h("span", "cl-bubble-mode", b.synthetic ? "synthetic costs (comparable with theory)"
       : "real compute (per-action overhead included; theory holds only for equal synthetic costs)"));
+  const measured = line("measured bubble = mean over ranks of the idle share of the makespan = ",
+    h("b", "cl-bubble-mean", f3(b.mean)));
   const per = h("div", "cl-bubble-ranks", "idle per rank: ");
   (b.ranks || []).forEach((r, i) => {
     const s = h("span", "cl-bubble-rank", `r${r} ${f3(b.idle[i])}`);
@@ -66,14 +84,42 @@ function bubbleBox(b) {
     per.append(s, " ");
   });
   const us = (b.clock_uncertainty || 0) * 1e6;
-  per.append(` · makespan ${ms(b.makespan * 1e3)} · clock alignment ±${us.toFixed(1)} µs`);
-  box.append(head, per);
+  per.append(` · clock alignment ±${us.toFixed(1)} µs`);
+  const defs = line(h("b", null, "makespan "), h("span", "cl-bubble-makespan", ms(b.makespan * 1e3)),
+    " = first compute start to last compute end over all ranks (what the bubble is a share of) · ",
+    h("b", null, "whole step "), h("span", "cl-bubble-step", ms(stepMs)),
+    " = wall time from the step's first traced event to its last, incl. p2p, gradient all-reduce and optimizer");
+  defs.classList.add("cl-bubble-defs");
+  box.append(head, measured, ...theory, per, defs);
   return box;
 }
 
-function controls(model, kinds, hasPlan) {
+function legendBox(present, chunks) {
+  const legend = h("div", "cl-legend");
+  for (const [key, text] of LEGEND) {
+    if (!present.has(key)) continue;
+    const item = h("span", "cl-legend-item");
+    item.dataset.kind = key;
+    const sw = h("span", "cl-swatch"); // styled by data-kind, so a swatch never counts as a box or a strip
+    sw.dataset.kind = key;
+    item.append(sw, text);
+    legend.appendChild(item);
+  }
+  if (chunks > 1) { // the shade of a box says which model chunk (stage of this rank) it belongs to
+    const item = h("span", "cl-legend-item cl-legend-chunks", "shade = model chunk (which of the rank's stages):");
+    for (let k = 0; k < chunks; k++) {
+      const sw = h("span", "cl-swatch");
+      Object.assign(sw.dataset, { kind: "F", chunk: k });
+      item.append(" ", sw, `chunk ${k}`);
+    }
+    legend.appendChild(item);
+  }
+  return legend;
+}
+
+function controls(model, present, chunks, hasPlan) {
   const bar = h("div", "cl-tl-controls");
-  const play = h("button", "cl-play", "▶ play");
+  const play = setButton(h("button", "cl-play"), "play", "play");
   const scrub = h("input", "cl-scrub");
   Object.assign(scrub, { type: "range", min: 0, max: model.get("span_ms") || 1, step: "any" });
   const time = h("span", "cl-time");
@@ -81,16 +127,8 @@ function controls(model, kinds, hasPlan) {
   toggle.disabled = !hasPlan;
   toggle.title = hasPlan ? "overlay the planned order, laid out with the measured mean durations"
     : "no planned order given";
-  const legend = h("div", "cl-legend");
-  for (const k of kinds) {
-    const item = h("span", "cl-legend-item");
-    const sw = h("span", "cl-swatch");
-    sw.dataset.kind = LABEL[k] ? k : "comm";
-    item.append(sw, LABEL[k] ? `${k} ${LABEL[k]}` : "communication");
-    legend.appendChild(item);
-  }
   bar.append(play, scrub, time, toggle);
-  return { bar, legend, play, scrub, time, toggle };
+  return { bar, legend: legendBox(present, chunks), play, scrub, time, toggle };
 }
 
 function laneRows(ranks, bubble, match) {
@@ -104,7 +142,7 @@ function laneRows(ranks, bubble, match) {
     lane.dataset.rank = r;
     const label = h("div", "cl-lane-label", `rank ${r}`);
     if (idle[r] !== undefined) label.appendChild(h("span", "cl-lane-idle", `idle ${f3(idle[r])}`));
-    if (match[r] === false) label.appendChild(h("span", "cl-plan-differs", "order ≠ plan"));
+    if (match[r] === false) label.appendChild(h("span", "cl-plan-differs", "order differs from plan"));
     const body = h("div", "cl-lane-body");
     tracks[r] = body.appendChild(h("div", "cl-track"));
     plans[r] = body.appendChild(h("div", "cl-planned-row"));
@@ -114,29 +152,57 @@ function laneRows(ranks, bubble, match) {
   return { lanes, tracks, plans };
 }
 
-function eventBoxes(c, tracks, span) { // returns [element, start, end, state] in event (start) order
+function boxLabel(mb, chunk, chunks) {
+  return chunks > 1 && chunk !== null ? `mb ${mb} · chunk ${chunk}` : `mb ${mb}`;
+}
+
+function piece(track, cls, c, i, start, end, span, items, text) {
+  const e = h("div", cls, text);
+  e.dataset.kind = c.kind[i];
+  if (c.mb[i] !== null) e.dataset.mb = c.mb[i];
+  if (c.stage[i] !== null) e.dataset.stage = c.stage[i];
+  if (c.chunk[i] !== null) e.dataset.chunk = c.chunk[i];
+  e.style.cssText = `left:${pct(start, span)};width:${pct(end - start, span)}`;
+  e.title = tip(c, i);
+  track.appendChild(e);
+  items.push([e, start, end, 2]);
+}
+
+// Returns [element, start, end, state] in event (start) order; a comm event is its wait, then its transfer.
+function eventBoxes(c, tracks, span, chunks) {
   const items = [];
   for (let i = 0; i < c.rank.length; i++) {
-    const k = c.kind[i];
-    const e = h("div", LABEL[k] ? "cl-box" : "cl-comm", LABEL[k] ? String(c.mb[i]) : undefined);
-    e.dataset.kind = k;
-    if (c.mb[i] !== null) e.dataset.mb = c.mb[i];
-    if (c.stage[i] !== null) e.dataset.stage = c.stage[i];
-    e.style.cssText = `left:${pct(c.start[i], span)};width:${pct(c.end[i] - c.start[i], span)}`;
-    e.title = tip(c, i);
-    tracks[c.rank[i]].appendChild(e);
-    items.push([e, c.start[i], c.end[i], 2]);
+    const k = c.kind[i], track = tracks[c.rank[i]];
+    if (LABEL[k]) {
+      piece(track, "cl-box", c, i, c.start[i], c.end[i], span, items, boxLabel(c.mb[i], c.chunk[i], chunks));
+    } else if (c.ready[i] === null) {
+      piece(track, "cl-comm", c, i, c.start[i], c.end[i], span, items);
+    } else {
+      if (c.ready[i] > c.start[i]) piece(track, "cl-comm cl-wait", c, i, c.start[i], c.ready[i], span, items);
+      if (c.end[i] > c.ready[i]) piece(track, "cl-comm cl-transfer", c, i, c.ready[i], c.end[i], span, items);
+    }
   }
   return items;
 }
 
-function plannedBoxes(p, plans, span) {
+function idleGaps(g, tracks, span, items) {
+  for (let i = 0; i < g.rank.length; i++) {
+    const e = h("div", "cl-idle");
+    e.style.cssText = `left:${pct(g.start[i], span)};width:${pct(g.end[i] - g.start[i], span)}`;
+    e.title = `idle: no compute on rank ${g.rank[i]}\n${ms(g.start[i])} to ${ms(g.end[i])} (${ms(g.end[i] - g.start[i])})`;
+    tracks[g.rank[i]].appendChild(e);
+    items.push([e, g.start[i], g.end[i], 2]);
+  }
+}
+
+function plannedBoxes(p, plans, span, chunks) {
   for (let i = 0; i < p.rank.length; i++) {
-    const e = h("div", "cl-planned-box");
+    const e = h("div", "cl-planned-box", boxLabel(p.mb[i], p.chunk[i], chunks));
     Object.assign(e.dataset, { kind: p.kind[i], mb: p.mb[i], stage: p.stage[i] });
+    if (p.chunk[i] !== null) e.dataset.chunk = p.chunk[i];
     e.style.cssText = `left:${pct(p.start[i], span)};width:${pct(p.end[i] - p.start[i], span)}`;
-    e.title = `planned: ${p.kind[i]} stage ${p.stage[i]} micro-batch ${p.mb[i]}\n`
-      + `${ms(p.start[i])} → ${ms(p.end[i])} (laid out with the measured mean duration of ${p.kind[i]})`;
+    e.title = `planned: ${p.kind[i]} stage ${p.stage[i]} (chunk ${p.chunk[i]}) micro-batch ${p.mb[i]}\n`
+      + `${ms(p.start[i])} to ${ms(p.end[i])} (laid out with the measured mean duration of ${p.kind[i]})`;
     plans[p.rank[i]].appendChild(e);
   }
 }
@@ -168,13 +234,13 @@ function render({ model, el }) {
     cursor.style.display = all ? "none" : "block";
     cursor.style.left = `calc(var(--cl-label) + (100% - var(--cl-label)) * ${Math.max(0, t) / span})`;
     ui.scrub.value = all ? span : t;
-    ui.time.textContent = all ? `whole step: ${ms(span)}` : `${ms(t)} / ${ms(span)}`;
+    ui.time.textContent = all ? `time axis: ${ms(span)}` : `${ms(t)} / ${ms(span)}`;
   }
 
   function stop(save) {
     if (raf !== null) cancelAnimationFrame(raf);
     raf = null;
-    if (ui) ui.play.textContent = "▶ play";
+    if (ui) setButton(ui.play, "play", "play");
     if (save) { model.set("cursor_ms", Number(save.t)); model.save_changes(); }
   }
 
@@ -185,7 +251,7 @@ function render({ model, el }) {
     let t = model.get("cursor_ms");
     if (t < 0 || t >= span) t = 0;
     let last = performance.now();
-    ui.play.textContent = "⏸ pause";
+    setButton(ui.play, "pause", "pause");
     const tick = (now) => {
       t += (now - last) * rate;
       last = now;
@@ -211,18 +277,27 @@ function render({ model, el }) {
     const p = model.get("planned");
     const span = model.get("span_ms") || 1;
     const bubble = model.get("bubble") || {};
-    const kinds = [...new Set(c.kind)].sort((a, b) => (LABEL[a] ? 0 : 1) - (LABEL[b] ? 0 : 1) || (a < b ? -1 : 1));
-    const comm = kinds.filter((k) => !LABEL[k]);
-    ui = controls(model, kinds.filter((k) => LABEL[k]).concat(comm.length ? [comm[0]] : []), p.rank.length > 0);
+    const idle = model.get("idle") || { rank: [], start: [], end: [] };
+    const chunks = 1 + Math.max(0, ...c.chunk.filter((k) => k !== null), ...(p.chunk || []).filter((k) => k !== null));
+    const present = new Set(c.kind.filter((k) => LABEL[k]));
+    c.ready.forEach((r, i) => {
+      if (LABEL[c.kind[i]]) return;
+      if (r === null) present.add(c.kind[i]);
+      else { if (r > c.start[i]) present.add("wait"); if (c.end[i] > r) present.add("transfer"); }
+    });
+    if (idle.rank.length) present.add("idle");
+    ui = controls(model, present, chunks, p.rank.length > 0);
     ui.play.onclick = play;
     ui.scrub.oninput = () => { stop(); showAt(Number(ui.scrub.value)); };
     ui.scrub.onchange = () => { model.set("cursor_ms", Number(ui.scrub.value)); model.save_changes(); };
     ui.toggle.onclick = () => { model.set("show_planned", !model.get("show_planned")); model.save_changes(); };
     const frag = document.createDocumentFragment();
-    frag.append(ui.bar, ui.legend, bubbleBox(bubble));
+    frag.append(ui.bar, ui.legend, bubbleBox(bubble, Math.max(0, ...c.end)));
     const { lanes, tracks, plans } = laneRows(model.get("ranks"), bubble, model.get("plan_match") || {});
-    items = eventBoxes(c, tracks, span);
-    pending = () => plannedBoxes(p, plans, span); // drawn on first show: the render stays one pass
+    items = eventBoxes(c, tracks, span, chunks);
+    idleGaps(idle, tracks, span, items);
+    items.sort((a, b) => a[1] - b[1]);
+    pending = () => plannedBoxes(p, plans, span, chunks); // drawn on first show: the render stays one pass
     cursor = lanes.appendChild(h("div", "cl-cursor"));
     frag.append(lanes, axis(span));
     root.replaceChildren(frag);
@@ -237,7 +312,7 @@ function render({ model, el }) {
     if (!queued) { queued = true; queueMicrotask(build); }
   }
 
-  for (const name of ["events", "planned", "ranks", "span_ms", "bubble", "plan_match"]) {
+  for (const name of ["events", "idle", "planned", "ranks", "span_ms", "bubble", "plan_match"]) {
     model.on(`change:${name}`, rebuild);
   }
   model.on("change:cursor_ms", () => { if (raf === null && !queued) showAt(model.get("cursor_ms")); });

@@ -2,7 +2,7 @@
 // each tensor a `.cl-tensor` box holding a `.cl-shard` (the slice held; `.cl-shard-none`
 // when nothing is held). Elements are kept between redraws, so a new layout or an
 // FSDP phase moves the slices with CSS transitions.
-// Reads tensors, rows, phases, phase, strategy, zero, sizes, interval_ms; writes phase.
+// Reads tensors, rows, phases, phase, title, zero, sizes, interval_ms; writes phase.
 
 const LAYERS = [["params", "parameters"], ["grads", "gradients"], ["optim", "optimizer state"]];
 
@@ -28,10 +28,14 @@ function render({ model, el }) {
   const root = h("div", "cl-sharding");
   el.appendChild(root);
   const head = h("div", "cl-sharding-title");
+  const key = h("div", "cl-sharding-legend", "one box = one whole parameter tensor (every box the same width "
+    + "whatever its size; hover for its shape and element count) · the coloured part = the slice this rank "
+    + "holds: dim 0 across, dim 1 down · blue parameters, orange gradients, green optimizer state, "
+    + "pale: gathered whole for the moment");
   const controls = h("div", "cl-phase-controls");
   const steps = h("div", "cl-phase-steps");
   const grid = h("div", "cl-shard-grid");
-  root.append(head, controls, steps, grid);
+  root.append(head, key, controls, steps, grid);
   let structure = "";
   let slices = new Map(); // "rank|layer|tensor index" -> .cl-shard element
   let timer = null;
@@ -90,7 +94,10 @@ function render({ model, el }) {
     s.dataset.start = a;
     s.dataset.stop = b;
     const where = ext ? `dim0 ${a}:${b}` + (t.shape.length > 1 ? `, dim1 ${c}:${d}` : "") : "not held";
-    s.parentElement.title = `${t.name} [${t.shape.join(", ")}] ${t.placements.join(",")}` +
+    const n = t.shape.reduce((a, b) => a * b, 1);
+    const held = ext ? (b - a) * (t.shape.length > 1 ? d - c : 1) * (t.shape.length > 2 ? n / (n0 * n1) : 1) : 0;
+    s.parentElement.title = `${t.name} [${t.shape.join(", ")}] = ${n} elements, ${held} held here; `
+      + `${t.placements.join(",")}` +
       `${t.mesh_axes.length ? " on " + t.mesh_axes.join(",") : ""}: ${where}`;
   }
 
@@ -99,12 +106,13 @@ function render({ model, el }) {
     steps.replaceChildren();
     if (!phases.length) return;
     const last = phases.length - 1;
-    const buttons = [["cl-phase-reset", "at rest", () => setPhase(-1)],
-      ["cl-phase-back", "◀", () => setPhase(Math.max(-1, k - 1))],
-      ["cl-phase-play", timer ? "⏸" : "▶ FSDP step", toggle],
-      ["cl-phase-next", "▶|", () => setPhase(Math.min(last, k + 1))]];
-    buttons.forEach(([cls, text, fn]) => {
-      const b = h("button", cls, text);
+    const buttons = [["cl-phase-reset", null, "at rest", () => setPhase(-1)],
+      ["cl-phase-back", "back", "", () => setPhase(Math.max(-1, k - 1)), "previous phase"],
+      ["cl-phase-play", timer ? "pause" : "play", timer ? "" : "FSDP step", toggle, timer ? "pause" : "play"],
+      ["cl-phase-next", "next", "", () => setPhase(Math.min(last, k + 1)), "next phase"]];
+    buttons.forEach(([cls, name, text, fn, label]) => {
+      const b = h("button", cls, name ? undefined : text);
+      if (name) setButton(b, name, text, label);
       b.onclick = fn;
       controls.appendChild(b);
     });
@@ -134,8 +142,7 @@ function render({ model, el }) {
   function draw() {
     const tensors = model.get("tensors") || [], rows = model.get("rows") || [], phases = model.get("phases") || [];
     const k = Math.min(model.get("phase"), phases.length - 1);
-    const sizes = Object.entries(model.get("sizes") || {}).map(([a, n]) => `${a}=${n}`).join(" ");
-    head.textContent = `${model.get("strategy") || "no layout"} · zero ${model.get("zero")} · ${sizes}`;
+    head.textContent = model.get("title") || "no layout";
     const key = JSON.stringify([tensors.map((t) => t.name), rows.map((r) => r.rank)]);
     const fresh = key !== structure;
     if (fresh) { build(tensors, rows); structure = key; }
@@ -153,7 +160,7 @@ function render({ model, el }) {
     drawControls(phases, k);
   }
 
-  ["tensors", "rows", "phases", "phase", "strategy", "sizes"].forEach((name) => model.on(`change:${name}`, draw));
+  ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes"].forEach((name) => model.on(`change:${name}`, draw));
   draw();
   return () => stop();
 }
