@@ -45,18 +45,18 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     autocast = run_strategy(run)[1].autocast
     if autocast:
         apply_autocast(model, "cpu")
-    bf16 = run.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
+    fsdp_bf16 = run.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
     n_micro = (run.microbatches or 1) if run.pp == 1 else 1
     losses, norms = [], []
     for step in range(run.steps):
         inputs, targets = data.global_batch(step, run.global_batch)  # (B, T) each
-        compute = _bf16_copy(model) if bf16 else model
+        compute = _bf16_copy(model) if fsdp_bf16 else model
         total = 0.0
         for x, y in zip(microbatches(inputs, n_micro), microbatches(targets, n_micro)):
             loss = loss_fn(compute(x), y) / n_micro
             loss.backward()
             total += loss.item()
-        if bf16:
+        if fsdp_bf16:
             for p, q in zip(model.parameters(), compute.parameters()):
                 p.grad = q.grad.float()
         norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))

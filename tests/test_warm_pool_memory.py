@@ -31,11 +31,8 @@ def footprint(pool: lab.Cluster) -> dict[int, tuple[int, int, int]]:
 
 @pytest.fixture(scope="module")
 def pair():
-    pool = start_pool(2)
-    try:
+    with start_pool(2) as pool:  # stopped on leaving, failed tests too
         yield pool
-    finally:
-        pool.stop()
 
 
 @pytest.mark.slow  # 50 training runs

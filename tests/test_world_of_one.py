@@ -20,11 +20,8 @@ WORLD_ONE_LAYOUTS = [dict(), dict(mixed_precision="bf16"), dict(zero=1), dict(ze
 
 @pytest.fixture(scope="module")
 def solo():
-    pool = start_pool(1)
-    try:
+    with start_pool(1) as pool:  # stopped on leaving, failed tests too
         yield pool
-    finally:
-        pool.stop()
 
 
 def test_run_returns_one_plain_result_per_rank(solo):
