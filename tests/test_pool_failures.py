@@ -89,11 +89,13 @@ def test_rank_raising_after_a_training_run_makes_peers_fail_fast_or_says_who_was
     error = info.value
     assert error.rank == 2 and error.host == cluster.rank_map.ranks[2].host
     assert str(error).startswith("rank 2 on host") and "rank two refuses" in str(error)
-    # Peers fail at once ("closed by peer" / "reset by peer"). Under heavy load a peer was seen, once in
-    # about six runs, still blocked after SIGINT: then it must be named as killed and replaced, never hidden.
+    # Peers fail at once ("closed by peer" / "reset by peer"). After a *measured* FSDP run on the same pool
+    # (tests/test_memory_comm.py) an FSDP state stays alive on the ranks and holds the world's group, so
+    # peers stay blocked: they must then be named as killed and replaced, never hidden.
     killed = set(error.recovery.killed)
     assert all(f.collateral and ("by peer" in f.evalue or f.rank in killed) for f in error.failures[1:]), error.failures
-    assert set(error.recovery.replaced) == killed and error.recovery.rebuilt
+    # A killed rank gets a spare engine, or waits for a new one that the next call picks up.
+    assert set(error.recovery.replaced) | set(error.recovery.waiting_for_engines) == killed
     assert [p for r, p in enumerate(engine_pids(cluster)) if r not in killed] == \
         [p for r, p in enumerate(before) if r not in killed]
     assert cluster.run(runtime.lingering_groups) == [0] * 4  # the failing rank's groups were really freed
