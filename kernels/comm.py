@@ -21,9 +21,9 @@ Three ways in, one meter (``CommMeter``):
   maths), which calls ``dist.all_reduce`` on each flat bucket, so the patch sees it.
 - DTensor (TP) functional collectives (``_c10d_functional.*``): ``FuncolMeter``, a
   ``torch.distributed.tensor.debug.CommDebugMode`` that also records the payload and
-  time of each functional collective (CommDebugMode itself only counts them). Inside a
-  pipeline stage CommDebugMode's module tracker fails, and ``TrackerlessFuncolMeter``
-  (a plain dispatch mode) meters the same collectives.
+  time of each functional collective (CommDebugMode itself only counts them). Its
+  per-module tracker is left out (``_NoModuleTracker``): it fails inside pipeline stage
+  calls and its hooks kept the step's modules alive.
 
 Rows (``CommMeter.rows``): one per (op, group size, source): ``{"op", "group_size", "count",
 "payload_bytes", "seconds", "source"}`` (source "dist" or "funcol"); bandwidths are the
@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -227,34 +226,40 @@ def _meter_funcol(meter: CommMeter, func: Any, types: tuple, args: tuple, call: 
     return out
 
 
+class _NoModuleTracker:
+    """Stands in for CommDebugMode's module tracker: always at the top level, never in backward.
+
+    The tracker registers global module hooks whose ``BackwardHook`` objects end up in
+    reference cycles through autograd nodes that outlive the session (and keep every
+    module of the step alive, FSDP's states and their process groups with them). The
+    meter needs CommDebugMode's counts only, not its per-module breakdown.
+    """
+
+    name = "Global"
+    is_bw = False
+    activation_checkpointing = False
+
+    def __init__(self) -> None:
+        self.module_parents_dict: dict[str, set[str]] = {"Global": set()}  # CommDebugMode reads it per collective
+
+    def __enter__(self) -> "_NoModuleTracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 class FuncolMeter(CommDebugMode):
     """CommDebugMode that also meters payload and time of each DTensor functional collective."""
 
     def __init__(self, meter: CommMeter) -> None:
         super().__init__()
+        self.advanced_module_tracker = _NoModuleTracker()  # private attribute: see _NoModuleTracker
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return _meter_funcol(self.meter, func, types, args,
                              lambda: super(FuncolMeter, self).__torch_dispatch__(func, types, args, kwargs))
-
-
-class TrackerlessFuncolMeter(TorchDispatchMode):
-    """The same metering without CommDebugMode's module tracker, for pipeline stages.
-
-    CommDebugMode's tracker fails when the pipeline schedule calls a stage's module
-    (IndexError in ``_fw_set_module_hook``), so inside a pipeline this plain dispatch
-    mode meters the functional collectives that TP's DTensors issue, and nothing else.
-    """
-
-    def __init__(self, meter: CommMeter) -> None:
-        super().__init__()
-        self.meter = meter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor turn the op into local ops and collectives, seen next
-        return _meter_funcol(self.meter, func, types, args, lambda: func(*args, **(kwargs or {})))
 
 
 def _main() -> None:

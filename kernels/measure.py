@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.comm import _DIST_OPS, _P2P, CommMeter, TrackerlessFuncolMeter, route_ddp_through_python, unmetered
+from kernels.comm import _DIST_OPS, _P2P, CommMeter, route_ddp_through_python, unmetered
 from kernels.memory import SavedActivations, snapshot
 
 
@@ -71,8 +71,7 @@ class StepProbe:
     def metered(self) -> Iterator[None]:
         """Meter every collective of the body (a micro-batch's forward and backward, or the optimizer step).
 
-        One meter session per call, summed: CommDebugMode's module tracker fails on a
-        second forward inside one session (IndexError in ``_fw_set_module_hook``).
+        One meter session per call, summed over the calls.
         """
         if self.seconds is None:
             self.seconds = 0.0
@@ -108,19 +107,11 @@ class _CollectiveMeter(CommMeter):
 
     p2p is left unpatched: ``P2POp`` checks ``op`` by identity against the unwrapped
     ``isend``/``irecv``, so a wrapped one breaks the pipeline's sends (they are counted
-    at the stage instead, ``meter_stage_sends``). DTensor functional collectives are
-    metered by ``TrackerlessFuncolMeter``: CommDebugMode's module tracker fails inside
-    the schedule's stage calls, so there are no CommDebugMode counts to check against.
+    at the stage instead, ``meter_stage_sends``).
     """
 
     def _dist_names(self) -> list[str]:
         return [n for n in _DIST_OPS if n not in _P2P and hasattr(dist, n)]
-
-    @contextlib.contextmanager
-    def active(self):
-        with self.patch_dist(), TrackerlessFuncolMeter(self):
-            yield self
-        self.debug_counts, self.unmetered = {}, {}
 
 
 @contextlib.contextmanager

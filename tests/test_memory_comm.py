@@ -128,3 +128,19 @@ def test_bench_collectives_busbw_is_algbw_times_the_nccl_tests_factor(cluster):
         assert r.world == 4 and r.seconds > 0 and r.algbw > 0 and r.busbw > 0
         assert r.factor == expected[r.op] == busbw_factor(r.op, 4)
         assert r.busbw == r.algbw * r.factor and r.busbw / r.algbw == pytest.approx(r.factor, rel=1e-15)
+
+
+def _modules_alive() -> int:
+    import gc
+
+    import torch.nn as nn
+    gc.collect()
+    return sum(isinstance(o, nn.Module) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero2"])
+def test_a_measured_step_leaves_no_module_alive_on_the_ranks(measured, cluster, layout):
+    # Metering once kept every module of the step (and FSDP's process groups) alive
+    # through CommDebugMode's module-tracker hooks; then a failing rank's peers hung.
+    measured(layout)
+    assert cluster.run(_modules_alive) == [0] * 4

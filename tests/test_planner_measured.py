@@ -14,8 +14,8 @@ traffic is one gradient all-reduce; TP2×DP2 ZeRO-3 (FSDP2 sharding over TP shar
 live (the row-parallel embeddings' gradients must be sharded like their weights);
 PP2×DP2 1F1B, m=2 (one block per stage; stage 0 also holds the embeddings, stage 1
 the final norm and LM head; gradients all-reduced per tensor over dp). Inside a
-pipeline the tp collectives are metered without CommDebugMode (its module tracker
-fails in stage calls) and still match the planner's tp traffic.
+pipeline the tp collectives are metered by the same CommDebugMode-based meter and
+match the planner's tp traffic.
 
 Model states are compared at ``peak_fwd_bwd`` (forward done, backward not started:
 the moment ZeRO-2 holds whole parameters, which the planner's ZeRO-2 term counts)
