@@ -58,16 +58,18 @@ class FailureReporter:
         raise RankError(failures, recovery=recovery)
 
     def _stacks_now(self, ranks: set[int]) -> dict[int, list[Frame] | None]:
-        """Every rank's main-thread stack at this moment, for ranks on this host (others: None, asked later)."""
+        """Every rank's main-thread stack at this moment, read here when its dump file is (others: None, asked later)."""
         pids = {r: self._rank_map.ranks[r].pid for r in ranks}
-        local = {r for r in ranks if pids[r] in self._local_pids}
-        sizes = {r: _size(stack_report.dump_path(pids[r])) for r in local}
+        directory = self._dump_dir()
+        paths = {r: stack_report.dump_path(pids[r], directory) for r in ranks
+                 if directory and pids[r] in self._local_pids}
+        sizes = {r: _size(path) for r, path in paths.items()}
         self._signal_ranks(ranks, stack_report.DUMP_SIGNAL)
         deadline = time.monotonic() + DUMP_WAIT_S
-        while any(_size(stack_report.dump_path(pids[r])) <= sizes[r] for r in local) and time.monotonic() < deadline:
+        while any(_size(path) <= sizes[r] for r, path in paths.items()) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.02)  # the handler writes thread by thread; let it finish
-        return {r: (stack_report.read_dump(pids[r]) if r in local else None) for r in ranks}
+        return {r: (stack_report.read_dump(pids[r], directory) if r in paths else None) for r in ranks}
 
     def _failure_frames(self, out: Outcome, recovery) -> dict[int, list[Frame]]:
         """The frames of each rank's exception, from the rank itself, when it is the exception the driver got."""
