@@ -18,6 +18,7 @@ Torch-free. Run alone (arms this process, signals it, prints the main thread's f
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import re
@@ -36,9 +37,14 @@ _HEADER = "main thread 0x{:016x}\n"
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 
-def dump_path(pid: int) -> str:
-    """The file a rank with process id ``pid`` writes its stacks to (on its own host)."""
-    return os.path.join(tempfile.gettempdir(), f"cluster-lab-stack-{pid}.txt")
+def dump_dir() -> str:
+    """Where this process writes its dump: its ipyparallel profile (a lab pool's private one, removed on stop)."""
+    return os.environ.get("IPP_PROFILE_DIR") or tempfile.gettempdir()
+
+
+def dump_path(pid: int, directory: str | None = None) -> str:
+    """The file process ``pid`` writes its stacks to, in ``directory`` (default: this process's :func:`dump_dir`)."""
+    return os.path.join(directory or dump_dir(), f"cluster-lab-stack-{pid}.txt")
 
 
 def arm() -> str:
@@ -54,13 +60,14 @@ def arm() -> str:
         _dump_file.write(_HEADER.format(threading.main_thread().ident))
         _dump_file.flush()
         faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+        atexit.register(remove_dump, os.getpid())
     return path
 
 
-def remove_dump(pid: int) -> None:
-    """Delete the dump file of process ``pid`` on this host, if there is one (its process is gone)."""
+def remove_dump(pid: int, directory: str | None = None) -> None:
+    """Delete the dump file of process ``pid``, if there is one."""
     try:
-        os.remove(dump_path(pid))
+        os.remove(dump_path(pid, directory))
     except OSError:
         pass
 
@@ -84,10 +91,10 @@ def main_thread_frames(text: str) -> list[Frame] | None:
     return frames[::-1]
 
 
-def read_dump(pid: int | None = None) -> list[Frame] | None:
-    """Parse this host's dump file of process ``pid`` (default: this process)."""
+def read_dump(pid: int | None = None, directory: str | None = None) -> list[Frame] | None:
+    """Parse the dump file of process ``pid`` (default: this process) in ``directory``."""
     try:
-        with open(dump_path(os.getpid() if pid is None else pid)) as f:
+        with open(dump_path(os.getpid() if pid is None else pid, directory)) as f:
             return main_thread_frames(f.read())
     except OSError:
         return None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ipyparallel import AsyncResult
 
-from kernels import runtime, stack_report
+from kernels import runtime
 from kernels.records import RankMap, RankStatus
 from lab import cluster_render, launch, px_magic
 from lab.cluster_world import WorldKeeper
@@ -226,8 +226,6 @@ class Cluster(WorldKeeper, FailureReporter):
             except Exception:  # stopping must go on even if the engines are in a bad state
                 pass
         self._finalizer()
-        for pid in self._source.pids:
-            stack_report.remove_dump(pid)
 
     @property
     def stopped(self) -> bool:

@@ -64,6 +64,11 @@ class WorldKeeper:
     def _controller_host(self) -> str:
         return self._source.client._config.get("interface", "tcp://127.0.0.1").split("//")[-1]
 
+    def _dump_dir(self) -> str | None:
+        """The profile directory the engines write their stack dumps to (``kernels.stack_report``), if known here."""
+        source = self._source
+        return source.profile_dir or (str(source.ipp_cluster.profile_dir) if source.ipp_cluster else None)
+
     def _set_rank_map(self, rank_map) -> None:
         self._rank_map = rank_map
         # A rank still waiting for an engine keeps the view of its dead one (ipyparallel refuses new views of it).
@@ -185,7 +190,8 @@ class WorldKeeper:
                 raise LabError(f"the spare engine for rank {rank} runs on {spare.host}, not {old.ranks[rank].host}")
             ranks[rank] = dataclasses.replace(old.ranks[rank], engine_id=spare.engine_id, pid=spare.pid)
             replaced[rank] = (old.ranks[rank].pid, spare.pid)
-            stack_report.remove_dump(old.ranks[rank].pid)
+            if self._dump_dir():
+                stack_report.remove_dump(old.ranks[rank].pid, self._dump_dir())
         self._set_rank_map(dataclasses.replace(old, ranks=tuple(ranks)))
         self._dead -= set(replaced)
         self._standby.refill()

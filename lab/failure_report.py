@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import NoReturn
+from collections.abc import Collection, Iterable
+from typing import Any, Callable, NoReturn
 
 from kernels import stack_report
+from kernels.records import RankMap
 from kernels.stack_report import Frame
 from lab import frames as frame_view
-from lab.errors import DeadRankError, RankError, RankTimeoutError, rank_list
+from lab.errors import DeadRankError, RankError, RankTimeoutError, Recovery, rank_list
 from lab.supervise import Outcome, describe_failures
 
 DUMP_WAIT_S = 0.5  # a signalled rank writes its stack from a C handler within milliseconds
@@ -58,18 +60,20 @@ class FailureReporter:
         raise RankError(failures, recovery=recovery)
 
     def _stacks_now(self, ranks: set[int]) -> dict[int, list[Frame] | None]:
-        """Every rank's main-thread stack at this moment, for ranks on this host (others: None, asked later)."""
+        """Every rank's main-thread stack at this moment, read here when its dump file is (others: None, asked later)."""
         pids = {r: self._rank_map.ranks[r].pid for r in ranks}
-        local = {r for r in ranks if pids[r] in self._local_pids}
-        sizes = {r: _size(stack_report.dump_path(pids[r])) for r in local}
+        directory = self._dump_dir()
+        paths = {r: stack_report.dump_path(pids[r], directory) for r in ranks
+                 if directory and pids[r] in self._local_pids}
+        sizes = {r: _size(path) for r, path in paths.items()}
         self._signal_ranks(ranks, stack_report.DUMP_SIGNAL)
         deadline = time.monotonic() + DUMP_WAIT_S
-        while any(_size(stack_report.dump_path(pids[r])) <= sizes[r] for r in local) and time.monotonic() < deadline:
+        while any(_size(path) <= sizes[r] for r, path in paths.items()) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.02)  # the handler writes thread by thread; let it finish
-        return {r: (stack_report.read_dump(pids[r]) if r in local else None) for r in ranks}
+        return {r: (stack_report.read_dump(pids[r], directory) if r in paths else None) for r in ranks}
 
-    def _failure_frames(self, out: Outcome, recovery) -> dict[int, list[Frame]]:
+    def _failure_frames(self, out: Outcome, recovery: Recovery) -> dict[int, list[Frame]]:
         """The frames of each rank's exception, from the rank itself, when it is the exception the driver got."""
         answers = self._ask(stack_report.last_failure, set(out.errors), recovery)
         frames = {}
@@ -79,7 +83,7 @@ class FailureReporter:
                 frames[rank] = [tuple(f) for f in answer["frames"]]
         return frames
 
-    def _ask(self, fn, ranks: set[int], recovery) -> dict:
+    def _ask(self, fn: Callable[[], Any], ranks: set[int], recovery: Recovery) -> dict[int, Any]:
         """``fn()`` on each of ``ranks`` still in its own engine; answers that came within ASK_WAIT_S."""
         ranks = {r for r in ranks if r not in recovery.replaced and r not in self._dead}
         pending = {r: self._views[r].apply_async(fn) for r in ranks}
@@ -113,18 +117,19 @@ def _size(path: str) -> int:
         return -1
 
 
-def _named(ranks, rank_map) -> str:
+def _named(ranks: Iterable[int], rank_map: RankMap) -> str:
     hosts = sorted({rank_map.ranks[r].host for r in ranks})
     return f"{rank_list(ranks)} (host {', '.join(hosts)})"
 
 
-def _dead_summary(dead: set[int], rank_map) -> str:
+def _dead_summary(dead: set[int], rank_map: RankMap) -> str:
     pids = ", ".join(str(rank_map.ranks[r].pid) for r in sorted(dead))
     return (f"{_named(dead, rank_map)} died: {'its engine process' if len(dead) == 1 else 'their engine processes'} "
             f"(pid {pids}) {'is' if len(dead) == 1 else 'are'} gone")
 
 
-def _timeout_summary(late: list[int], waiting: dict[int, str], skipped: set[int], rank_map, timeout: float) -> str:
+def _timeout_summary(late: list[int], waiting: dict[int, str], skipped: set[int], rank_map: RankMap,
+                     timeout: float) -> str:
     calls = ", ".join(sorted(set(waiting.values())))
     if skipped:
         return (f"{_named(waiting, rank_map)} waited in {calls} for {_named(skipped, rank_map)} until the "
@@ -139,5 +144,5 @@ def _timeout_summary(late: list[int], waiting: dict[int, str], skipped: set[int]
             f"({each}): none could go on, a deadlock or mismatched collectives")
 
 
-def _it(ranks, plural: str = "they") -> str:
+def _it(ranks: Collection[int], plural: str = "they") -> str:
     return "it" if len(ranks) == 1 else plural

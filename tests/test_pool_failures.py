@@ -89,9 +89,8 @@ def test_rank_raising_after_a_training_run_makes_peers_fail_fast_or_says_who_was
     error = info.value
     assert error.rank == 2 and error.host == cluster.rank_map.ranks[2].host
     assert str(error).startswith("rank 2 on host") and "rank two refuses" in str(error)
-    # Peers fail at once ("closed by peer" / "reset by peer"). After a *measured* FSDP run on the same pool
-    # (tests/test_memory_comm.py) an FSDP state stays alive on the ranks and holds the world's group, so
-    # peers stay blocked: they must then be named as killed and replaced, never hidden.
+    # Peers fail at once ("closed by peer" / "reset by peer"). A peer that stays blocked anyway (its
+    # connections still held open) must be named as killed and replaced, never hidden.
     killed = set(error.recovery.killed)
     assert all(f.collateral and ("by peer" in f.evalue or f.rank in killed) for f in error.failures[1:]), error.failures
     # A killed rank gets a spare engine, or waits for a new one that the next call picks up.
