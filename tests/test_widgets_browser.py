@@ -145,7 +145,7 @@ def check_timelines_and_memory(page) -> None:
         for cls in ("cl-idle", "cl-wait", "cl-transfer")]
     assert len(set(styles)) == 3 and "gradient" in styles[1]  # blank, hatched, solid
     legend = zbv.locator(".cl-legend-item").evaluate_all("els => els.map((e) => e.dataset.kind)")
-    assert [k for k in legend if k] == ["F", "B", "wait", "transfer", "idle"]
+    assert [k for k in legend if k] == ["F", "B", "wait", "transfer", "idle", "vguide"]
     assert "waiting" in zbv.locator(".cl-legend").inner_text() and "chunk 1" in zbv.locator(".cl-legend").inner_text()
 
     page.locator(".cl-timeline").nth(1).scroll_into_view_if_needed()

@@ -12,13 +12,16 @@ Each view is an anywidget (live, in a notebook) with a matplotlib twin for stati
 - ``ShardingView(layout)`` / ``plot_sharding(layout, layer)``: LayoutRecord per rank;
 - ``PipelineTimeline(events, bubble, planned)`` / ``plot_timeline(events, bubble)``: TraceEvent
   records, the measured BubbleReport beside the theory, the planned order as an overlay;
-- ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord, measured beside predicted.
+- ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord, measured beside predicted;
+- ``ScheduleGallery(runs)`` / ``plot_gallery(runs)``: several runs' TraceEvents and BubbleReports, one
+  panel per schedule on one shared time axis, replayed in lock-step.
 """
 from widgets.cluster_view import ClusterView, plot_cluster
 from widgets.collective_view import CollectiveView, plot_collective
 from widgets.memory_view import MemoryView, plot_memory
 from widgets.pipeline_timeline import PipelineTimeline, plot_timeline
+from widgets.schedule_gallery import ScheduleGallery, plot_gallery
 from widgets.sharding_view import ShardingView, plot_sharding
 
-__all__ = ["ClusterView", "CollectiveView", "MemoryView", "PipelineTimeline", "ShardingView", "plot_cluster",
-           "plot_collective", "plot_memory", "plot_sharding", "plot_timeline"]
+__all__ = ["ClusterView", "CollectiveView", "MemoryView", "PipelineTimeline", "ScheduleGallery", "ShardingView",
+           "plot_cluster", "plot_collective", "plot_gallery", "plot_memory", "plot_sharding", "plot_timeline"]
