@@ -30,6 +30,7 @@ CELLS = [
     "MemoryView(saved['memory'])",
     "ShardingView(saved['layout_hsdp'])",
     "ShardingView(saved['layout_tp_fsdp'])",
+    "PipelineTimeline(saved['f1b'], saved['f1b_bubble'], present=True)",
     "import time\ntime.sleep(2)\ncluster.update(saved['ranks_later'])\nswitching.set_layout(saved['layout'])\n"
     "print('views are ready')",
 ]
@@ -113,12 +114,58 @@ def test_views_render_and_step_in_jupyterlab(tmp_path):
         slice_ = switched.locator(".cl-shard-row[data-rank='1'] .cl-shard-layer[data-layer='params'] .cl-tensor").first
         assert slice_.locator(".cl-shard").get_attribute("data-start") == "8"  # tok_emb rows 8:16 on dp rank 1
         assert "left" in slice_.locator(".cl-shard").evaluate("e => getComputedStyle(e).transitionProperty")
+        check_rank_focus_and_tensor_hover(sharding)
         check_timelines_and_memory(page)
+        check_present_mode(page)
         text = page.locator(".jp-OutputArea").evaluate_all("els => els.map((e) => e.innerText).join(' ')")
         assert not set(text) & set(MISSING_GLYPHS), sorted(set(text) & set(MISSING_GLYPHS))
         assert page.locator(".cl-play svg.cl-icon").count() >= 2  # the collective's and the timeline's
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "widgets.png"), full_page=True)
+        save_each_view(page)
+
+
+def save_each_view(page) -> None:
+    """One screenshot per view drawn, test-artifacts/widgets_<view>_<n>.png (the paths are printed)."""
+    for cls in ("cl-cluster", "cl-collective", "cl-sharding", "cl-timeline", "cl-memory"):
+        views = page.locator(f".{cls}")
+        for i in range(views.count()):
+            views.nth(i).scroll_into_view_if_needed()
+            path = ARTIFACTS / f"widgets_{cls[3:]}_{i}.png"
+            # a clip of the page, not an element screenshot: that waits for the element to stop moving, and a
+            # wide sharding grid inside JupyterLab's output keeps nudging by a pixel
+            page.screenshot(path=str(path), clip=views.nth(i).bounding_box(), full_page=True)
+            print(f"screenshot: {path}")
+
+
+def check_rank_focus_and_tensor_hover(sharding) -> None:
+    """Clicking a rank's label keeps its three rows in view and says what it holds; hovering a tensor outlines
+    it on every rank and gives its global shape and each rank's slice."""
+    sharding.scroll_into_view_if_needed()
+    sharding.locator(".cl-shard-row[data-rank='1'] > .cl-shard-label").click()
+    assert sharding.locator(".cl-shard-row.cl-focused").count() == 1
+    assert sharding.locator(".cl-shard-row.cl-focused").get_attribute("data-rank") == "1"
+    said = sharding.locator(".cl-shard-focus").inner_text()
+    assert said.startswith("rank 1 holds: parameters") and "gradients" in said and "optimizer state" in said
+    faded = sharding.locator(".cl-shard-row[data-rank='0']").evaluate("e => getComputedStyle(e).opacity")
+    assert float(faded) < 0.5
+    sharding.locator(".cl-shard-row[data-rank='2'] .cl-tensor").first.hover()
+    assert sharding.locator(".cl-tensor.cl-same-tensor").count() == 4 * 3  # the tensor on 4 ranks x 3 layers
+    said = sharding.locator(".cl-shard-focus").inner_text()
+    assert "global shape [" in said and "r0 dim0 0:" in said and "r3 dim0" in said
+    assert "local slice dim0" in sharding.locator(".cl-shard-row[data-rank='2'] .cl-tensor").first.get_attribute("title")
+
+
+def check_present_mode(page) -> None:
+    """Present mode: larger type and the Okabe-Ito palette (F is #0072b2)."""
+    plain, present = page.locator(".cl-timeline").nth(1), page.locator(".cl-timeline").nth(2)
+    present.scroll_into_view_if_needed()
+    present.locator(".cl-box").first.wait_for(timeout=10_000)
+    assert "cl-present" in present.get_attribute("class")
+    size = [v.locator(".cl-box").first.evaluate("e => parseFloat(getComputedStyle(e).fontSize)") for v in (plain, present)]
+    assert size[1] > size[0]
+    colour = present.locator(".cl-box[data-kind='F']").first.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert colour == "rgb(0, 114, 178)"
 
 
 def check_timelines_and_memory(page) -> None:
