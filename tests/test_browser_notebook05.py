@@ -49,6 +49,8 @@ def test_notebook_05_draws_every_schedule_in_jupyterlab(tmp_path):
             labels = view.locator(".cl-box").all_inner_texts()
             assert any(re.fullmatch(r"mb \d+ · chunk 1", t) for t in labels), labels[:8]
         assert "chunk" not in " ".join(timelines.nth(2).locator(".cl-box").all_inner_texts())  # 1F1B: one chunk
+        assert timelines.nth(4).locator(".cl-vguide").count() == 1  # ZBV: the V guide
+        assert sum(timelines.nth(i).locator(".cl-vguide").count() for i in range(4)) == 0
 
         styles = {}
         for cls in ("cl-idle", "cl-wait", "cl-transfer"):

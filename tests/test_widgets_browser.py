@@ -31,6 +31,7 @@ CELLS = [
     "ShardingView(saved['layout_hsdp'])",
     "ShardingView(saved['layout_tp_fsdp'])",
     "PipelineTimeline(saved['f1b'], saved['f1b_bubble'], present=True)",
+    "ShardingView(saved['layout'], present=True)",
     "import time\ntime.sleep(2)\ncluster.update(saved['ranks_later'])\nswitching.set_layout(saved['layout'])\n"
     "print('views are ready')",
 ]
@@ -130,10 +131,10 @@ def save_each_view(page) -> None:
     for cls in ("cl-cluster", "cl-collective", "cl-sharding", "cl-timeline", "cl-memory"):
         views = page.locator(f".{cls}")
         for i in range(views.count()):
-            views.nth(i).scroll_into_view_if_needed()
+            # scrolled and clipped by hand: Playwright's own element screenshot waits for the element to stop
+            # moving, and a wide view inside JupyterLab's output area keeps nudging by a pixel
+            views.nth(i).evaluate("e => e.scrollIntoView({block: 'center'})")
             path = ARTIFACTS / f"widgets_{cls[3:]}_{i}.png"
-            # a clip of the page, not an element screenshot: that waits for the element to stop moving, and a
-            # wide sharding grid inside JupyterLab's output keeps nudging by a pixel
             page.screenshot(path=str(path), clip=views.nth(i).bounding_box(), full_page=True)
             print(f"screenshot: {path}")
 
@@ -153,7 +154,8 @@ def check_rank_focus_and_tensor_hover(sharding) -> None:
     assert sharding.locator(".cl-tensor.cl-same-tensor").count() == 4 * 3  # the tensor on 4 ranks x 3 layers
     said = sharding.locator(".cl-shard-focus").inner_text()
     assert "global shape [" in said and "r0 dim0 0:" in said and "r3 dim0" in said
-    assert "local slice dim0" in sharding.locator(".cl-shard-row[data-rank='2'] .cl-tensor").first.get_attribute("title")
+    tensor = sharding.locator(".cl-shard-row[data-rank='2'] .cl-tensor").first
+    assert "local slice dim0" in tensor.get_attribute("title")
 
 
 def check_present_mode(page) -> None:
@@ -162,10 +164,16 @@ def check_present_mode(page) -> None:
     present.scroll_into_view_if_needed()
     present.locator(".cl-box").first.wait_for(timeout=10_000)
     assert "cl-present" in present.get_attribute("class")
-    size = [v.locator(".cl-box").first.evaluate("e => parseFloat(getComputedStyle(e).fontSize)") for v in (plain, present)]
+    size = [v.locator(".cl-box").first.evaluate("e => parseFloat(getComputedStyle(e).fontSize)")
+            for v in (plain, present)]
     assert size[1] > size[0]
     colour = present.locator(".cl-box[data-kind='F']").first.evaluate("e => getComputedStyle(e).backgroundColor")
     assert colour == "rgb(0, 114, 178)"
+    sharding = page.locator(".cl-sharding.cl-present")
+    sharding.scroll_into_view_if_needed()
+    assert sharding.count() == 1
+    held = sharding.locator(".cl-shard-layer[data-layer='params'] .cl-shard").first
+    assert held.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(0, 114, 178)"
 
 
 def check_timelines_and_memory(page) -> None:
@@ -194,6 +202,10 @@ def check_timelines_and_memory(page) -> None:
     legend = zbv.locator(".cl-legend-item").evaluate_all("els => els.map((e) => e.dataset.kind)")
     assert [k for k in legend if k] == ["F", "B", "wait", "transfer", "idle", "vguide"]
     assert "waiting" in zbv.locator(".cl-legend").inner_text() and "chunk 1" in zbv.locator(".cl-legend").inner_text()
+    zbv.locator(".cl-planned-toggle").click()  # the V guide shows over lanes of the measured height only
+    points = zbv.locator(".cl-vguide polyline").get_attribute("points").split()
+    assert [float(p.split(",")[1]) for p in points] == [0.5, 1.5, 1.5, 0.5]  # rank 0, 1, 1, 0: down and back up
+    assert zbv.locator(".cl-vguide").is_visible()
 
     page.locator(".cl-timeline").nth(1).scroll_into_view_if_needed()
     words = page.locator(".cl-timeline").nth(1).locator(".cl-bubble").inner_text()

@@ -326,6 +326,9 @@ def test_plot_memory_draws_a_measured_and_a_predicted_bar_per_rank():
     gids = [p.get_gid() or "" for p in ax.patches]
     assert sum(g.startswith("measured:") for g in gids) == 4 * len(CATEGORIES)
     assert sum(g.startswith("predicted:") for g in gids) == 4 * 3  # params, grads, optimizer
+    assert ax.get_ylabel() == "bytes (KiB)"  # the unit the browser's axis picks for these sizes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:2] == ["parameters", "gradients"] and legend[-2:] == ["predicted (hatched)", "ZeRO formula (dashed)"]
     with pytest.raises(ValueError, match="not in the records"):
         plot_memory(mem_records(), "after_backward")
 

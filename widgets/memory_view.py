@@ -100,16 +100,28 @@ class MemoryView(anywidget.AnyWidget):
                 self.moment = state["moments"][0]
 
 
+BINARY_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
+
+
+def _unit(scale: float) -> tuple[str, float]:
+    """The largest binary unit the scale reaches, as the browser's axis picks it (static/memory_view.js ticks)."""
+    return [u for u in BINARY_UNITS if scale / u[1] >= 1][-1] if scale >= 1 else BINARY_UNITS[0]
+
+
 def plot_memory(records: Any, moment: str = "at_rest"):
-    """Static fallback: per rank a measured stacked bar (gid ``measured:<category>``) beside the predicted
-    one (hatched, gid ``predicted:<category>``, only categories with a prediction); MiB on y."""
+    """Static fallback with the browser's labels: per rank a measured stacked bar (gid ``measured:<category>``)
+    beside the predicted one (hatched, gid ``predicted:<category>``, only categories with a prediction), the ZeRO
+    formula dashed; the y axis in bytes, in the binary unit the browser's axis uses."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     state = _memory_state(records)
     if moment not in state["bars"]:
         raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
-    bars, mib = state["bars"][moment], 2.0 ** 20
-    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 2), 3.2))
+    unit, mib = _unit(state["scale"])
+    bars = state["bars"][moment]
+    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 3), 3.2))
     ax = fig.add_subplot()
     for i, b in enumerate(bars):
         low = high = 0.0
@@ -124,8 +136,13 @@ def plot_memory(records: Any, moment: str = "at_rest"):
         if b["formula_total"]:
             ax.hlines(b["formula_total"] / mib, i + 0.01, i + 0.39, colors="black", linestyles="dashed",
                       gid="formula")
-    ax.set_xticks(range(len(bars)), [f"rank {b['rank']}\nmeasured | predicted" for b in bars], fontsize=7)
-    ax.set_ylabel("MiB")
-    ax.set_title(f"memory per rank at {moment} (dashed: ZeRO formula)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_xticks(range(len(bars)), [f"rank {b['rank']}" for b in bars], fontsize=7)
+    ax.set_xlabel("per rank: measured (left) | predicted (right)", fontsize=7)
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(f"memory per rank at {moment}: measured beside predicted", fontsize=9)
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Patch(facecolor="white", edgecolor="black", hatch="//", label="predicted (hatched)"),
+                Line2D([], [], color="black", linestyle="dashed", label="ZeRO formula (dashed)")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
     return fig

@@ -78,7 +78,8 @@ def plot_gallery(runs: Any):
         ax.set_title(f"{panel['name']}: {bubble_words(panel['bubble'])}", fontsize=7, loc="left")
     axes[-1].set_xlim(0, span)
     axes[-1].set_xlabel("ms from each run's first compute start (one shared axis)", fontsize=7)
-    handles = [Patch(facecolor=SHADES[k][0], label=_LEGEND_TEXT[k]) for k in LEGEND_ORDER if k in present and k in KINDS]
+    handles = [Patch(facecolor=SHADES[k][0], label=_LEGEND_TEXT[k])
+               for k in LEGEND_ORDER if k in present and k in KINDS]
     handles.append(Patch(facecolor="none", edgecolor="#bbbbbb", label="blank: idle or communicating"))
     fig.legend(handles=handles, fontsize=6, ncol=len(handles), loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))

@@ -199,6 +199,7 @@ function render({ model, el }) {
     const tensors = model.get("tensors") || [], rows = model.get("rows") || [], phases = model.get("phases") || [];
     const k = Math.min(model.get("phase"), phases.length - 1);
     head.textContent = model.get("title") || "no layout";
+    root.classList.toggle("cl-present", model.get("present"));
     const key = JSON.stringify([tensors.map((t) => t.name), rows.map((r) => r.rank)]);
     const fresh = key !== structure;
     if (fresh) { build(tensors, rows); structure = key; }
@@ -217,7 +218,7 @@ function render({ model, el }) {
     if (focused !== null) showFocus();
   }
 
-  ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes"].forEach((name) => model.on(`change:${name}`, draw));
+  ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes", "present"].forEach((name) => model.on(`change:${name}`, draw));
   draw();
   return () => stop();
 }
