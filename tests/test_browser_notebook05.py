@@ -18,7 +18,9 @@ from tests.test_browser_views import done_or_error, fail_on_error, screenshot
 from tests.test_widgets_browser import MISSING_GLYPHS
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "05_pipeline_parallel.ipynb"
-DONE = "every measured bubble within 3 points of theory"
+# The sweep's last line: every view is drawn by then. The last cell's measured-vs-theory check is
+# tests/test_notebooks.py's to make; a traceback from any cell before this line fails here.
+DONE = "m=16: measured"
 SCHEDULES = ["gpipe", "gpipe", "1f1b", "interleaved_1f1b", "zbv"]  # naive is GPipe with one micro-batch
 
 

@@ -29,7 +29,8 @@ function panelHead(p) {
   const head = h("div", "cl-gallery-head");
   const m = (b.stages_per_rank || 1) > 1 ? "v·m" : "m";
   head.append(h("b", "cl-gallery-name", p.name),
-    ` · ${b.schedule || "?"} p=${b.pp} m=${b.microbatches} · measured bubble `, h("b", "cl-gallery-bubble-mean", fx(b.mean)),
+    ` · ${b.schedule || "?"} p=${b.pp} m=${b.microbatches} · measured bubble `,
+    h("b", "cl-gallery-bubble-mean", fx(b.mean)),
     ` · theory (p-1)/(${m}+p-1) `, h("b", "cl-gallery-bubble-theory", fx(b.theory)),
     ` · makespan ${(1000 * (b.makespan || 0)).toFixed(0)} ms${b.synthetic ? "" : " · real compute"}`);
   return head;
@@ -53,7 +54,8 @@ function panelBody(p, span, items) {
   for (let i = 0; i < b.rank.length; i++) {
     const many = p.chunks > 1 && b.chunk[i] !== null;
     const w = b.end[i] - b.start[i];
-    const e = h("div", "cl-box", w > wide * (many ? 6 : 3) ? (many ? `${b.mb[i]}·c${b.chunk[i]}` : `${b.mb[i]}`) : undefined);
+    const text = many ? `${b.mb[i]}·c${b.chunk[i]}` : `${b.mb[i]}`;
+    const e = h("div", "cl-box", w > wide * (1.5 * text.length + 1.5) ? text : undefined);
     e.dataset.kind = b.kind[i];
     e.dataset.mb = b.mb[i];
     e.dataset.stage = b.stage[i];
@@ -84,7 +86,9 @@ function galleryLegend(panels) {
   }
   const notes = ["blank: idle or communicating (open one run's timeline to tell waiting from transfer)",
     "box label: micro-batch, and ·c chunk where a rank holds several model chunks (darker shade = chunk 1)"];
-  if (panels.some((p) => p.vguide && p.vguide.rank.length)) notes.push("dashed V: the first micro-batch's forwards, down the ranks and back up");
+  if (panels.some((p) => p.vguide && p.vguide.rank.length)) {
+    notes.push("dashed V: the first micro-batch's forwards, down the ranks and back up");
+  }
   for (const n of notes) legend.appendChild(h("span", "cl-legend-item cl-legend-note", n));
   return legend;
 }
@@ -142,7 +146,8 @@ function render({ model, el }) {
     const panels = model.get("panels") || [];
     const span = model.get("span_ms") || 1;
     const bar = h("div", "cl-tl-controls");
-    ui = { play: setButton(h("button", "cl-play"), "play", "play all"), scrub: h("input", "cl-scrub"), time: h("span", "cl-time") };
+    ui = { play: setButton(h("button", "cl-play"), "play", "play all"), scrub: h("input", "cl-scrub"),
+      time: h("span", "cl-time") };
     Object.assign(ui.scrub, { type: "range", min: 0, max: span, step: "any" });
     ui.play.onclick = play;
     ui.scrub.oninput = () => { stop(); showAt(Number(ui.scrub.value)); };

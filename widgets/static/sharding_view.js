@@ -49,8 +49,9 @@ function render({ model, el }) {
   const controls = h("div", "cl-phase-controls");
   const steps = h("div", "cl-phase-steps");
   const grid = h("div", "cl-shard-grid");
-  const focus = h("div", "cl-shard-focus", "click a rank's label to see what it holds in all three rows; "
-    + "hover a tensor to see its slice on every rank");
+  const HINT = "click a rank's label to see what it holds in all three rows; "
+    + "hover a tensor to see its slice on every rank";
+  const focus = h("div", "cl-shard-focus", HINT);
   root.append(head, key, controls, steps, focus, grid);
   let focused = null; // the rank whose holdings are highlighted
   let structure = "";
@@ -173,8 +174,10 @@ function render({ model, el }) {
     const tensors = model.get("tensors") || [], rows = model.get("rows") || [];
     const row = rows.find((r) => r.rank === focused);
     root.classList.toggle("cl-focus-rank", !!row);
-    grid.querySelectorAll(".cl-shard-row").forEach((e) => e.classList.toggle("cl-focused", !!row && e.dataset.rank === String(focused)));
-    if (!row) { focus.textContent = "click a rank's label to see what it holds in all three rows; hover a tensor to see its slice on every rank"; return; }
+    grid.querySelectorAll(".cl-shard-row").forEach((e) => {
+      e.classList.toggle("cl-focused", !!row && e.dataset.rank === String(focused));
+    });
+    if (!row) { focus.textContent = HINT; return; }
     const total = tensors.reduce((a, t) => a + t.shape.reduce((x, y) => x * y, 1), 0);
     const parts = LAYERS.map(([layer, name]) => {
       const held = layerExtents(row, layer, current()).reduce((a, e, i) => a + heldCount(tensors[i], e), 0);
@@ -189,7 +192,7 @@ function render({ model, el }) {
     grid.querySelectorAll(".cl-same-tensor").forEach((e) => e.classList.remove("cl-same-tensor"));
     if (i === null || !tensors[i]) { showFocus(); return; }
     const t = tensors[i];
-    grid.querySelectorAll(".cl-tensor").forEach((e) => { if (e.dataset.tensor === t.name) e.classList.add("cl-same-tensor"); });
+    grid.querySelectorAll(".cl-tensor").forEach((e) => e.classList.toggle("cl-same-tensor", e.dataset.tensor === t.name));
     const each = rows.map((r) => `r${r.rank} ${sliceText(t, layerExtents(r, "params", current())[i])}`);
     focus.textContent = `${t.name}: global shape [${t.shape.join(", ")}], ${t.placements.join(",")}`
       + `${t.mesh_axes.length ? " on " + t.mesh_axes.join(",") : ""} · parameters held: ${each.join(" · ")}`;
@@ -218,7 +221,9 @@ function render({ model, el }) {
     if (focused !== null) showFocus();
   }
 
-  ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes", "present"].forEach((name) => model.on(`change:${name}`, draw));
+  for (const name of ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes", "present"]) {
+    model.on(`change:${name}`, draw);
+  }
   draw();
   return () => stop();
 }
