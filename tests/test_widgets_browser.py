@@ -32,6 +32,7 @@ CELLS = [
     "ShardingView(saved['layout_tp_fsdp'])",
     "PipelineTimeline(saved['f1b'], saved['f1b_bubble'], present=True)",
     "ShardingView(saved['layout'], present=True)",
+    "MemoryView(saved['memory'], present=True)",
     "import time\ntime.sleep(2)\ncluster.update(saved['ranks_later'])\nswitching.set_layout(saved['layout'])\n"
     "print('views are ready')",
 ]
@@ -174,6 +175,11 @@ def check_present_mode(page) -> None:
     assert sharding.count() == 1
     held = sharding.locator(".cl-shard-layer[data-layer='params'] .cl-shard").first
     assert held.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(0, 114, 178)"
+    plain, present = page.locator(".cl-memory").first, page.locator(".cl-memory.cl-present")
+    present.scroll_into_view_if_needed()
+    params = [v.locator(".cl-mem-measured .cl-mem-seg[data-category='params']").first for v in (plain, present)]
+    assert [p.evaluate("e => getComputedStyle(e).backgroundColor") for p in params] == [
+        "rgb(78, 121, 167)", "rgb(0, 114, 178)"]  # #4e79a7 as ever; Okabe-Ito blue when presenting
 
 
 def check_timelines_and_memory(page) -> None:

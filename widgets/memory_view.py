@@ -83,6 +83,7 @@ class MemoryView(anywidget.AnyWidget):
     bars = traitlets.Dict().tag(sync=True)  # moment -> [_bar(...) per rank]
     scale = traitlets.Float(1.0).tag(sync=True)  # bytes at full bar height, the same for every moment
     moment = traitlets.Unicode("at_rest").tag(sync=True)
+    present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, records: Any = None, moment: str = "at_rest", **kwargs: Any) -> None:
         state = _memory_state(records or [])
