@@ -227,3 +227,9 @@ def check_timelines_and_memory(page) -> None:
     assert "KiB" in ticks.last.inner_text() and "bytes" in memory.locator(".cl-mem-axis-label").inner_text()
     assert memory.locator(".cl-mem-table").count() == 4
     assert memory.locator(".cl-mem-table tr[data-category='params'] .cl-mem-predicted-bytes").count() == 4
+    memory.locator(".cl-mem-moment[data-moment='peak_fwd_bwd']").click()  # activations are saved only then
+    memory.locator(".cl-mem-parts").nth(3).wait_for(timeout=5_000)
+    rows = memory.locator(".cl-mem-rank[data-rank='0'] .cl-mem-parts tr[data-part]")
+    assert rows.evaluate_all("els => els.map((e) => e.dataset.part)") == [
+        "attention", "mlp", "norms", "projection", "cross-entropy"]  # largest first
+    assert "saved-tensor hooks" in rows.first.get_attribute("title")

@@ -81,6 +81,8 @@ def memory_rank_record(rank: int, dp: int = 4, cuda: int | None = None) -> dict:
     record["memory"] = {moment: {**{k: int(v) + 8 * rank for k, v in pred[moment].items()},
                                  "activations": 0 if moment == "at_rest" else 20_000 + rank,
                                  "cuda_max_allocated": cuda} for moment in ("at_rest", "peak_fwd_bwd")}
+    record["memory"]["peak_fwd_bwd"]["activation_parts"] = {  # kernels.activation_parts: the 20_000 + rank again
+        "attention": 9_000, "mlp": 7_000, "norms": 3_000, "projection": 600, "cross-entropy": 400 + rank}
     return record
 
 

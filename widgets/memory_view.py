@@ -3,7 +3,9 @@
 Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
-allocator's view of the same tensors) | ``cuda_max_allocated`` (any other category counts as ``other``). On GPU, ``other`` also takes what
+allocator's view of the same tensors) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
+split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar)
+(any other category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
 
 One ``.cl-mem-rank`` per rank: a measured bar of ``.cl-mem-seg[data-category]`` segments
@@ -25,6 +27,7 @@ LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer 
           "other": "other"}
 COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759", "other": "#bab0ac"}
 MOMENTS = ("at_rest", "peak_fwd_bwd")
+PART_PREFIX = "activations."  # activations.attention, .mlp, ...: kernels/activation_parts.py
 
 
 def _add(into: dict[str, Any], key: str, value: float | None) -> None:
@@ -38,8 +41,12 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     predicted: dict[str, Any] = {}
     formula: dict[str, Any] = {}
     notes: dict[str, str] = {}
+    parts: dict[str, Any] = {}
     cuda = None
     for r in rows:
+        if r["category"].startswith(PART_PREFIX):  # the activations again, by part: a table, not a bar
+            parts[r["category"][len(PART_PREFIX):]] = {"measured": r.get("measured"), "source": r.get("note", "")}
+            continue
         if r["category"] == "cuda_max_allocated":
             cuda = r.get("measured")
             continue
@@ -57,7 +64,8 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         notes["other"] = "; ".join(filter(None, [notes.get("other"), f"{beyond} B more in cuda max allocated"]))
     return {"rank": rank, "measured": measured, "predicted": predicted, "formula": formula, "notes": notes,
             "total": sum(measured.values()), "predicted_total": sum(predicted.values()) if predicted else None,
-            "formula_total": sum(formula.values()) if formula else None, "cuda_max_allocated": cuda}
+            "formula_total": sum(formula.values()) if formula else None, "cuda_max_allocated": cuda,
+            "activation_parts": parts}
 
 
 def _memory_state(records: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 // `.cl-mem-seg[data-category]` beside the predicted one (`.cl-mem-predicted`), and a `.cl-mem-formula`
 // tick at the ZeRO reference. `.cl-mem-moment[data-moment]` buttons write `moment`. Every bar shares one scale,
 // read on the `.cl-mem-axis` (bytes, `.cl-mem-tick` labels); under each rank a `.cl-mem-table` gives the
-// measured and predicted bytes per category.
+// measured and predicted bytes per category, and a `.cl-mem-parts` table the activations by part (when measured).
 
 const LABELS = { params: "parameters", grads: "gradients", optimizer: "optimizer state",
   activations: "activations", other: "other" };
@@ -34,6 +34,10 @@ const CSS = `
 .cl-mem-table { font-size: 10px; border-collapse: collapse; margin-top: 2px; }
 .cl-mem-table td, .cl-mem-table th { padding: 0 3px; text-align: right; font-weight: normal; }
 .cl-mem-table th { color: #555; }
+.cl-mem-parts { font-size: 10px; border-collapse: collapse; margin-top: 4px; }
+.cl-mem-parts td, .cl-mem-parts th { padding: 0 3px; text-align: right; font-weight: normal; }
+.cl-mem-parts caption { caption-side: bottom; font-size: 9px; color: #555; }
+.cl-present .cl-mem-parts { font-size: 13px; }
 .cl-mem-seg, .cl-mem-swatch { background: #999; }
 [data-category="params"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #4e79a7; }
 [data-category="grads"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #f28e2b; }
@@ -99,6 +103,25 @@ function table(b, cats) {
   return t;
 }
 
+// The activations by the part of the model that saved them, each with the source of its number.
+function partsTable(b) {
+  const parts = Object.entries(b.activation_parts || {});
+  if (!parts.length) return "";
+  const t = h("table", "cl-mem-parts");
+  const head = t.appendChild(h("tr"));
+  head.append(h("th", null, "activations by part"), h("th", null, "measured"));
+  const total = parts.reduce((a, [, v]) => a + (v.measured || 0), 0);
+  for (const [part, v] of parts.sort((x, y) => (y[1].measured || 0) - (x[1].measured || 0))) {
+    const row = t.appendChild(h("tr"));
+    row.dataset.part = part;
+    row.title = v.source;
+    const share = total ? ` (${((100 * v.measured) / total).toFixed(0)}%)` : "";
+    row.append(h("th", null, part), h("td", "cl-mem-part-bytes", `${bytes(v.measured)}${share}`));
+  }
+  t.appendChild(h("caption", null, "source: measured (hover a row)"));
+  return t;
+}
+
 function bar(cls, values, b, scale, cats, what) {
   const col = h("div", `cl-mem-bar ${cls}`);
   for (const cat of cats) {
@@ -161,7 +184,7 @@ function render({ model, el }) {
       const cuda = b.cuda_max_allocated === null ? "" : ` · cuda max ${bytes(b.cuda_max_allocated)}`;
       col.append(area, h("div", "cl-mem-label", `rank ${b.rank}`),
         h("div", "cl-mem-total", `total: measured ${bytes(b.total)} · predicted ${bytes(b.predicted_total)}${cuda}`),
-        table(b, cats));
+        table(b, cats), partsTable(b));
       ranks.appendChild(col);
     }
     const plot = h("div", "cl-mem-plot");
