@@ -35,7 +35,7 @@ _HOME = {
     "recommend": "lab.recommend",
     "CommTable": "lab.run_result", "NotRecordedError": "lab.run_result", "RunResult": "lab.run_result",
     "RankMapError": "lab.rank_map", "build_rank_map": "lab.rank_map",
-    "Checkpoint": "lab.checkpoints", "checkpoints": "lab.checkpoints", "export": "lab.checkpoints",
+    "Checkpoint": "lab.checkpointing", "checkpoints": "lab.checkpointing", "export": "lab.checkpointing",
     "CheckpointError": "kernels.checkpoint_files", "CheckpointMismatchError": "kernels.checkpoint_files",
     "CheckpointMissingError": "kernels.checkpoint_files",
 }

@@ -39,7 +39,7 @@ from kernels.model import GPTConfig
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
-from lab.checkpoints import check_resume, directory_problems, resume_path
+from lab.checkpointing import check_resume, directory_problems, resume_path
 from lab.cluster import Cluster
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
@@ -68,7 +68,7 @@ class Experiment:
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.compile, self.optimizer = compile, optimizer
-        # checkpoints (lab.checkpoints): paths made absolute, as the ranks' working directory may differ
+        # checkpoints (lab.checkpointing): paths made absolute, as the ranks' working directory may differ
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
         self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
         problems = self._problems(optimizer)
