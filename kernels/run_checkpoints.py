@@ -20,11 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kernels.batches import BatchStream
 
 from kernels.checkpoint import AsyncSaver, load_checkpoint, load_weights, save_checkpoint
 from kernels.checkpoint_files import WEIGHTS_SUFFIX, resolve, step_dir
 from kernels.parallel.strategy import Strategy
 from kernels.run_config import RunConfig
+from kernels.step_hooks import StepHooks
 
 
 class RunCheckpoints:
@@ -68,6 +72,25 @@ class RunCheckpoints:
         if self.saver is not None:
             self.saver.close()
             self.saver = None
+
+
+def settle_ddp_buckets(step_fn, batches: BatchStream, optimizer) -> None:
+    """A resumed DDP model runs one forward and backward on its next batch, then drops the gradients.
+
+    DDP rebuilds its gradient buckets after its first backward, in the order the gradients
+    became ready; the all-reduce's float sums depend on where each gradient sits in a
+    bucket (gloo cuts a buffer into chunks by size). The uninterrupted run reduced its later
+    steps in rebuilt buckets, so without this the resumed first step would not be bit for
+    bit the same. The step changes nothing else: no optimizer step, gradients set to None
+    as after every step.
+    """
+    if not isinstance(getattr(step_fn, "model", None), DistributedDataParallel):
+        return
+    stream = iter(batches)
+    inputs, targets = next(stream)
+    stream.close()
+    step_fn(inputs, targets, StepHooks(1))
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _demo() -> None:

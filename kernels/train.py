@@ -47,7 +47,7 @@ from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.reference import train_reference
-from kernels.run_checkpoints import RunCheckpoints
+from kernels.run_checkpoints import RunCheckpoints, settle_ddp_buckets
 from kernels.run_config import RunConfig
 from kernels.step_hooks import PipelineTracer, StepHooks
 from kernels.train_loop import FlatStep, PipelineStep, train_loop
@@ -125,6 +125,8 @@ def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: S
           ckpt: RunCheckpoints):
     batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=dp_rank(mesh),
                           dp=dims.dp, device=device, first_step=ckpt.first_step)
+    if ckpt.first_step:
+        settle_ddp_buckets(step_fn, batches, optimizer)
     out = train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
                      record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step)
     ckpt.close()  # an asynchronous save still in flight is named before the run returns

@@ -40,7 +40,7 @@ EIGHT_RANKS = {"pp2-dp2-tp2"}
 PAIRS = [("dp4", "tp2-dp2-zero3"), ("zero3-dp4", "pp2-tp2-1f1b"), ("pp2-dp2-gpipe", "zero1-dp4"),
          ("pp2-tp2-interleaved", "zero2-dp4"),
          pytest.param("pp2-dp2-tp2", "dp2-tp2", marks=pytest.mark.slow, id="pp2-dp2-tp2-8-ranks-to-dp2-tp2")]
-SAME = ["zero3-dp4", "zero1-dp4", "pp2-dp2-gpipe"]  # ZeRO-1: each rank saves and loads its own partition
+SAME = ["dp4", "zero3-dp4", "zero1-dp4", "pp2-dp2-gpipe"]  # ZeRO-1: each rank saves and loads its own partition
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
