@@ -55,6 +55,7 @@ def _die_in_second_save(cfg: dict) -> dict:
     return train_rank(cfg)
 
 
+@pytest.mark.slow  # the pool restarts after the kill
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(cluster, tmp_path):
     root = str(tmp_path / "ckpts")
     exp = _experiment(cluster, steps=3, checkpoint_dir=root, checkpoint_every=1)

@@ -129,3 +129,14 @@ def test_a_checkpoint_lists_its_step_layout_world_and_bytes(request, saved):
     assert [c.step for c in found] == [SAVED_AT, STEPS]
     assert all(c.world_size == 4 and c.layout["dp"] == 4 and c.layout["zero"] == 3 and c.bytes > 0 for c in found)
     assert found[0].saved_at <= found[1].saved_at
+
+
+def test_an_asynchronous_save_resumes_bit_for_bit_too(request, saved, tmp_path):
+    pool = _pool(request, "zero3-dp4")
+    whole, _ = saved(pool, "zero3-dp4")
+    root = str(tmp_path / "async")
+    run = _experiment(pool, "zero3-dp4", checkpoint_dir=root, checkpoint_every=SAVED_AT, checkpoint_async=True).run()
+    assert run.losses == whole.losses  # saving in the background changes nothing in the training
+    resumed = _experiment(pool, "zero3-dp4", resume_from=_step_two(root)).run(return_params=True)
+    assert resumed.losses == whole.losses[SAVED_AT:]
+    assert resumed.params == whole.params
