@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -38,20 +39,24 @@ class RunCheckpoints:
         self.run, self.model, self.optimizer = run, model, optimizer
         self.layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
                        "schedule": strategy.schedule, "describe": strategy.describe()}
-        self.first_step = 0
+        self.first_step, self.load_seconds = 0, 0.0
         self.saver = AsyncSaver() if run.checkpoint_dir and run.checkpoint_async else None
 
     def resume(self) -> int:
         """Load ``resume_from`` (a step directory, a checkpoint directory's latest, or a safetensors file); returns the step to start at."""
-        source = self.run.resume_from
+        source, began = self.run.resume_from, time.perf_counter()
         if not source:
             return 0
         if str(source).endswith(WEIGHTS_SUFFIX):  # weights only: the optimizer starts fresh, from step 0
             load_weights(source, self.model)
-            return 0
-        meta = load_checkpoint(str(resolve(source)), self.model, self.optimizer)
-        self.first_step = int(meta["step"])
+        else:
+            self.first_step = int(load_checkpoint(str(resolve(source)), self.model, self.optimizer)["step"])
+        self.load_seconds = time.perf_counter() - began
         return self.first_step
+
+    def record(self) -> dict[str, Any]:
+        """The rank record's part: the step this run started at and how long its load took."""
+        return {"first_step": self.first_step, "load_seconds": self.load_seconds}
 
     def after_step(self, step: int, loss: torch.Tensor) -> None:
         """After local step ``step`` (0-based, counted from the resume point): save when one is due."""

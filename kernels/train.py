@@ -87,7 +87,7 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
     # full_parameters is collective for DTensors: every rank gathers, or none does.
     params = {k: v.tolist() for k, v in full_parameters(inner).items()} if run.return_params else {}
     out = {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params,
-           "first_step": first}
+           **ckpt.record()}
     if probe is not None:  # the measured record beside the layout it measured
         out["measure"] = measure_record(layout, dims, device, probe, loss=losses[-1],
                                         microbatches=strategy.microbatches)
@@ -110,7 +110,7 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
     step_fn = PipelineStep(runtime, stack, dp_group(mesh) if by_hand else None, pp_group(mesh), device)
     losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps - first, probe, tracer),
                                  device, ckpt)
-    out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
+    out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),
            **_pipeline_records(run, dims, runtime, strategy, optimizer)}
     if probe is not None:  # kernels.measure's record: the dp strategy, the schedule's sizes
         out["measure"] = measure_record(out["layout"], dims, device, probe, strategy=strategy.kind, loss=losses[-1],
