@@ -128,6 +128,7 @@ class AsyncSaver:
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")  # collective: every rank builds it together
         self.pending: Future | None = None
+        self.failed: OSError | None = None
 
     def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
         """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
@@ -138,15 +139,25 @@ class AsyncSaver:
                                 process_group=self.group)
         meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
         if dist.get_rank() == 0:
-            future.add_done_callback(lambda f: f.exception() is None and _finalize(partial, final, meta, began))
+            future.add_done_callback(lambda f: self._finalize(f, partial, final, meta, began))
         self.pending = future
 
+    def _finalize(self, future: Future, partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
+        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; keep an error for ``wait``."""
+        try:
+            if future.exception() is None:
+                _finalize(partial, final, meta, began)
+        except OSError as error:
+            self.failed = error
+
     def wait(self) -> None:
-        """Wait for the save in flight (raising its error) and for every rank to have seen it named."""
+        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to have seen it named."""
         if self.pending is not None:
             self.pending.result()
             self.pending = None
             dist.barrier(group=self.group)
+        if self.failed is not None:
+            raise self.failed
 
     def close(self) -> None:
         """Finish the last save and destroy the group."""
