@@ -24,6 +24,9 @@ costs what it did):
 - ``measure=True``: the last step is probed (``kernels.measure``): memory per category
   at rest and, without pp, between forward and backward; collectives per type. The
   driver sets each value beside its prediction (``lab.measure``).
+- ``checkpoint_dir=PATH, checkpoint_every=K`` (``checkpoint_async=True`` in the background):
+  save after every K steps and after the last; ``resume_from=`` a checkpoint (or a
+  safetensors file) goes on from its step under this layout (``lab.checkpointing``).
 """
 from __future__ import annotations
 
