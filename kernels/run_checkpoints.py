@@ -37,6 +37,9 @@ class RunCheckpoints:
 
     def __init__(self, run: RunConfig, model: nn.Module, optimizer, strategy: Strategy) -> None:
         self.run, self.model, self.optimizer = run, model, optimizer
+        if (run.checkpoint_dir or run.resume_from) and (run.world_size or dist.get_world_size()) != dist.get_world_size():
+            raise ValueError("checkpoints are saved and loaded by every rank of the process group: run on all of them "
+                             f"(world_size={run.world_size} of {dist.get_world_size()})")
         self.layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
                        "schedule": strategy.schedule, "describe": strategy.describe()}
         self.first_step, self.load_seconds = 0, 0.0
