@@ -23,7 +23,7 @@ from kernels.records import Record
 
 # The switches: each must be True or False.
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload", "compile", "return_params",
-         "record_grad_norm", "measure", "trace")
+         "record_grad_norm", "measure", "trace", "progress")
 
 @dataclass(frozen=True)
 class RunConfig(Record):
@@ -64,6 +64,7 @@ class RunConfig(Record):
     synthetic_forward_s: float | None = None
     ranks_per_host: tuple[int, ...] | None = None
     align_rounds: int = 4
+    progress: bool = False  # live per-step records and stop on request (kernels.progress)
 
     def __post_init__(self) -> None:
         problems = run_problems(self)

@@ -25,6 +25,7 @@ Run alone (prints the strategy the options resolve to, then the losses beside th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 from typing import Any
@@ -46,6 +47,7 @@ from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, de
 from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
+from kernels.progress import reporter_for
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.step_hooks import PipelineTracer, StepHooks
@@ -116,8 +118,11 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
 def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: StepHooks, device: torch.device):
     batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=dp_rank(mesh),
                           dp=dims.dp, device=device)
-    return train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
-                      record_grad_norm=run.record_grad_norm)
+    progress = reporter_for(run.steps, run.global_batch * model_config(run).seq_len, device, step_fn,
+                            run.world_size) if run.progress else None
+    with progress or contextlib.nullcontext():
+        return train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
+                          record_grad_norm=run.record_grad_norm, progress=progress)
 
 
 def _pipeline_records(run: RunConfig, dims: ParallelDims, runtime, strategy: Strategy, optimizer) -> dict[str, Any]:

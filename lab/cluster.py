@@ -47,6 +47,8 @@ class Cluster(WorldKeeper, FailureReporter):
         self._states: dict[int, tuple[str, str]] = {}
         self._watchers: list[Callable[[list[RankStatus]], None]] = []
         self._on_stop: list[Callable[[], None]] = []
+        # Called with each call's per-rank futures as it is sent (lab.run_handle reads their data messages).
+        self._submit_listeners: list[Callable[[dict[int, AsyncResult]], None]] = []
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
@@ -127,6 +129,8 @@ class Cluster(WorldKeeper, FailureReporter):
         targets = self._targets(ranks)
         self._standby.warm({r.engine_id for r in self._rank_map.ranks})
         pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
+        for listener in list(self._submit_listeners):
+            listener(pending)
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
         self._notify()

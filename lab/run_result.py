@@ -46,6 +46,9 @@ class RunResult:
     # (named *_records: ``memory()`` and ``comm()`` are the views)
     memory_records: list[dict[str, Any]] = field(default_factory=list)  # MemoryRecord dicts
     comm_records: list[dict[str, Any]] = field(default_factory=list)  # CommRecord dicts
+    # live progress (Experiment.start / run): StepProgress dicts, and the last step of a stopped run
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    stopped_at: int | None = None
 
     @property
     def world_size(self) -> int:
