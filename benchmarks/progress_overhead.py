@@ -1,0 +1,56 @@
+"""What live progress costs: step time with per-step records on beside off, measured in one run.
+
+A real-compute DP run on the local pool: each repetition runs the same experiment
+twice, ``run(progress=False)`` (the ranks send nothing, no stop flag) and
+``start().wait()`` (one StepProgress per step through ipyparallel's data channel, the
+async stop-flag all_reduce, Work.wait timed, DDP's comm hook), alternating which goes
+first. The figure is the median step time of the slowest rank, first step left out.
+The pool defaults to one rank per core, so ranks do not time-share cores.
+Goal: on / off ≤ 1.03.
+
+Run: ``python benchmarks/progress_overhead.py [--ranks 2] [--repeats 8] [--steps 12]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import lab
+
+MODEL = lab.GPT(layers=4, d_model=128, heads=4, vocab=256, seq_len=64)
+
+
+def step_time(result: lab.RunResult) -> float:
+    """Median over steps (the first left out) of the slowest rank's step time."""
+    steps = len(result.step_times[0])
+    return statistics.median(max(times[s] for times in result.step_times) for s in range(1, steps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=max(2, min(4, os.cpu_count() or 2)))
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore", lab.OversubscribedWarning)
+    with lab.start(n=args.ranks, backend="gloo", activate=False) as cluster:
+        exp = lab.Experiment(cluster, MODEL, lab.Parallel(dp=args.ranks), global_batch=8 * args.ranks,
+                             steps=args.steps)
+        runs = {False: lambda: exp.run(progress=False), True: lambda: exp.start().wait()}
+        times: dict[bool, list[float]] = {False: [], True: []}
+        began = time.perf_counter()
+        for repeat in range(args.repeats):
+            for flag in ((False, True) if repeat % 2 == 0 else (True, False)):
+                times[flag].append(step_time(runs[flag]()))
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        spread = statistics.pstdev(times[False]) / off
+        print(f"DP{args.ranks}, {args.steps} steps, {args.repeats} repeats ({time.perf_counter() - began:.0f} s): "
+              f"step without progress {off * 1e3:.2f} ms (±{spread:.1%}), with progress {on * 1e3:.2f} ms, "
+              f"ratio {on / off:.3f}x (goal <= 1.03x)")
+
+
+if __name__ == "__main__":
+    main()
