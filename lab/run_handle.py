@@ -113,6 +113,7 @@ class RunHandle:
                 for record in new:
                     self._records[(record.rank, record.step)] = record
                     self._heard[record.rank] = now
+            self.experiment.cluster._heard.update(self._heard)  # cluster.view() shows the same freshness
             for follow in list(self._followers):
                 follow(sorted(new, key=lambda r: (r.step, r.rank)))
         if self._stop_requested and not self._stop_sent and len(self._armed) == self.world_size:

@@ -30,6 +30,8 @@ def test_records_arrive_while_the_run_goes(cluster):
         assert r.step_s > 0 and 0 <= r.collective_s <= r.step_s and r.memory_kind == "rss" and r.memory_bytes > 0
         assert r.compute_s == pytest.approx(r.step_s - r.collective_s)
     assert [StepProgress.from_dict(d) for d in result.progress] == handle.history  # saved for replay
+    assert all(row.last_heard_s is not None and row.last_heard_s >= 0 for row in cluster.status())  # cluster.view()
+    assert [row["step"] for row in result.dashboard().ranks] == [7] * 4
 
 
 def test_stop_ends_every_rank_at_one_step_boundary_and_the_next_run_works(cluster):
