@@ -120,7 +120,7 @@ class ProgressReporter:
             self.pending = done
         else:
             self._report(done)
-        if step < self.steps - 1:
+        if step < self.steps - 1 and not stop:  # a flag for the next boundary; none after the last step
             self.flag.fill_(1.0 if _stop_asked else 0.0)
             work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
             if self.device.type == "cuda":  # NCCL's wait only orders the stream; the copy is read next step
@@ -148,11 +148,12 @@ class ProgressReporter:
         return self.process.memory_info().rss, "rss"
 
     def _report(self, done: dict[str, Any]) -> None:
+        loss = done["loss"].read()  # first: on a GPU this waits for the step, so its events can be read
         begin, end = done["marks"]
         step_s = begin.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - begin
         collective = min(done["collective_s"], step_s)
         memory, kind = done["memory"]
-        record = StepProgress(rank=self.rank, step=done["step"], steps=self.steps, loss=done["loss"].read(),
+        record = StepProgress(rank=self.rank, step=done["step"], steps=self.steps, loss=loss,
                               step_s=step_s, tokens_per_s=self.tokens / step_s if step_s > 0 else 0.0,
                               collective_s=collective, compute_s=step_s - collective, memory_bytes=memory,
                               memory_kind=kind, sent_at=time.time())

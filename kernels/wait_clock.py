@@ -77,9 +77,12 @@ class WaitClock:
 
     def _ddp_hook(self, group, bucket):  # unannotated: DDP compares annotations with classes, and these are strings
         future = default_hooks.allreduce_hook(group, bucket)
-        if bucket.is_last():  # queued now, it runs after the reducer's finalizer, which waits for every bucket
+        if bucket.is_last():
             self._last_launch = time.perf_counter()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            # The reducer queues its finalizer (which waits for every bucket) just after this hook returns;
+            # a callback queued from a callback runs after those already queued, so after the finalizer.
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._backward_done))
         return future
 
     def _backward_done(self) -> None:
