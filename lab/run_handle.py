@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from kernels.progress import ARMED_KEY, STOP_SIGNAL
@@ -46,6 +47,7 @@ class RunHandle:
         self._seen_keys: dict[int, set[str]] = {}
         self._armed: set[int] = set()
         self._metadata: dict[int, dict[str, Any]] = {}  # rank -> its call's ipyparallel metadata
+        self._futures: list[Any] = []  # the call's per-rank AsyncResults
         self._followers: list[Callable[[list[StepProgress]], None]] = []
         self._on_finish: list[Callable[[], None]] = []
         self._stop_requested = self._stop_sent = False
@@ -88,12 +90,17 @@ class RunHandle:
     def _submitted(self, pending: dict[int, Any]) -> None:
         client = self.experiment.cluster._source.client
         self._metadata = {rank: client.metadata[ar.msg_ids[0]] for rank, ar in pending.items()}
+        self._futures = list(pending.values())
 
     def _watch(self) -> None:
         """Until the call ends: gather new records, pass them on, send a requested stop once every rank is armed."""
         while not self._call_ended.wait(POLL_S):
             self._poll()
-        time.sleep(POLL_S)  # data messages sent just before the reply may still be on their way
+        for future in self._futures:  # iopub ends a call's messages with "idle": then every record is in
+            try:
+                future.wait_for_output(timeout=2.0)
+            except Exception:  # a dead engine sends no "idle"; what arrived is kept
+                pass
         self._poll()
 
     def _poll(self) -> None:
@@ -115,7 +122,11 @@ class RunHandle:
                     self._heard[record.rank] = now
             self.experiment.cluster._heard.update(self._heard)  # cluster.view() shows the same freshness
             for follow in list(self._followers):
-                follow(sorted(new, key=lambda r: (r.step, r.rank)))
+                try:
+                    follow(sorted(new, key=lambda r: (r.step, r.rank)))
+                except Exception as error:  # a broken view must not stop the records or a stop request
+                    self._followers.remove(follow)
+                    warnings.warn(f"stopped passing progress to {follow!r}: {error!r}", RuntimeWarning, stacklevel=1)
         if self._stop_requested and not self._stop_sent and len(self._armed) == self.world_size:
             self._stop_sent = True
             self.experiment.cluster._signal_ranks(set(range(self.world_size)), STOP_SIGNAL)
