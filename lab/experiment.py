@@ -8,6 +8,11 @@ raising one ``ParallelConfigError`` that names every broken rule. Then ``run()``
 every rank and gathers plain records. The same config trains in one process with
 ``reference()``, which is the ground truth.
 
+``start()`` trains without blocking and returns a ``lab.run_handle.RunHandle``; ``run()``
+blocks with a progress bar. Both have the ranks send one record per step
+(``kernels.progress``) unless ``run(progress=False)``; ``log_to`` writes them to
+TensorBoard or W&B (``lab.run_logs``).
+
 Options (all off by default; then the ranks install nothing and the run
 costs what it did):
 
