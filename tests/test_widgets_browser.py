@@ -33,6 +33,8 @@ CELLS = [
     "PipelineTimeline(saved['f1b'], saved['f1b_bubble'], present=True)",
     "ShardingView(saved['layout'], present=True)",
     "MemoryView(saved['memory'], present=True)",
+    "ClusterView(saved['ranks'], present=True)",
+    "CollectiveView(saved['collectives'], present=True)",
     "import time\ntime.sleep(2)\ncluster.update(saved['ranks_later'])\nswitching.set_layout(saved['layout'])\n"
     "print('views are ready')",
 ]
@@ -81,8 +83,9 @@ def test_views_render_and_step_in_jupyterlab(tmp_path):
     notebook = write_notebook(tmp_path)
     with browser_session(notebook, tmp_path, done_text="views are ready") as page:
         page.wait_for_selector(".cl-rank[data-state='failed']", timeout=20_000)  # update() reached the browser
-        assert page.locator(".cl-rank").count() == 4
-        assert page.locator(".cl-host").count() == 2
+        first = page.locator(".cl-cluster").first  # a second one, in present mode, comes later
+        assert first.locator(".cl-rank").count() == 4
+        assert first.locator(".cl-host").count() == 2
 
         ring = page.locator(".cl-collective").first
         assert ring.locator(".cl-ring-step").count() == 7  # inputs + 3 reduce-scatter + 3 all-gather
@@ -180,6 +183,11 @@ def check_present_mode(page) -> None:
     params = [v.locator(".cl-mem-measured .cl-mem-seg[data-category='params']").first for v in (plain, present)]
     assert [p.evaluate("e => getComputedStyle(e).backgroundColor") for p in params] == [
         "rgb(78, 121, 167)", "rgb(0, 114, 178)"]  # #4e79a7 as ever; Okabe-Ito blue when presenting
+    for cls in ("cl-cluster", "cl-collective"):
+        plain, present = page.locator(f".{cls}").first, page.locator(f".{cls}.cl-present")
+        present.scroll_into_view_if_needed()
+        sizes = [v.evaluate("e => parseFloat(getComputedStyle(e).fontSize)") for v in (plain, present)]
+        assert sizes[1] > sizes[0], (cls, sizes)
 
 
 def check_timelines_and_memory(page) -> None:
