@@ -35,6 +35,8 @@ _HOME = {
     "recommend": "lab.recommend",
     "CommTable": "lab.run_result", "NotRecordedError": "lab.run_result", "RunResult": "lab.run_result",
     "RankMapError": "lab.rank_map", "build_rank_map": "lab.rank_map",
+    "Slow": "lab.faults", "Hang": "lab.faults", "Crash": "lab.faults", "Kill": "lab.faults",
+    "HangError": "lab.errors", "HangReport": "lab.hang_report",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 _ALIASES = {"GPT": "GPTConfig"}

@@ -16,14 +16,22 @@ costs what it did):
   all-reduce and the optimizer step. The driver computes the bubble
   (``lab.timeline.bubble_from_records``) and the planned order to overlay. Use
   ``steps >= 2``: the first step also infers the p2p shapes.
-- ``synthetic_forward_s=t`` (needs trace): every action is padded to a fixed cost (F = t,
+- ``synthetic_forward_s=t`` (pipelines: needs trace): every action is padded to a fixed cost (F = t,
   B = 2t per rank share, ``kernels.synthetic``), so the bubble can be compared with
   theory. With real compute and more ranks than cores, the run's warnings say so.
+  Without a pipeline every step's forward is padded to t and its backward to 2t
+  (``kernels.faults``), so a ``lab.Slow`` straggler has a known cost.
 - ``compile=True``: every block runs through ``torch.compile`` on the ranks
   (``kernels.parallel.compile_blocks``); the first step pays the compilation.
 - ``measure=True``: the last step is probed (``kernels.measure``): memory per category
   at rest and, without pp, between forward and backward; collectives per type. The
   driver sets each value beside its prediction (``lab.measure``).
+- ``faults=[lab.Slow(2, 2.0), lab.Hang(1, at_step=2), ...]`` (``lab.faults``): faults on
+  purpose, checked before launch and listed in ``RunResult.faults``.
+- ``hang_after=s``: once no rank makes progress for s seconds, ``run()`` raises
+  ``lab.HangError`` with a ``HangReport`` (``lab.hang_report``). Every run publishes
+  each rank's collectives (``kernels.rank_watch``), so a timeout or an interrupt carries
+  the same report; ``RunResult.step_waits`` has each rank's wait and compute per step.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import dataclasses
 import json
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from kernels.config_rules import ConfigError, Problem
@@ -39,6 +48,8 @@ from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
 from lab.cluster import Cluster
+from lab.faults import fault_problems
+from lab.hang_report import HangWatch
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
 from lab.run_result import RunResult
@@ -59,11 +70,13 @@ class Experiment:
 
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
-                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False) -> None:
+                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
+                 faults: Sequence[Any] = (), hang_after: float | None = None) -> None:
         self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.compile = compile
+        self.faults, self.hang_after = faults, hang_after
         problems = self._problems(optimizer)
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
@@ -85,6 +98,9 @@ class Experiment:
             self.run_config()
         except ConfigError as error:
             out += error.problems
+        out += fault_problems(self.faults, self.cluster.world_size, self.steps)
+        if self.hang_after is not None and not (isinstance(self.hang_after, (int, float)) and self.hang_after > 0):
+            out.append(("hang-after", f"hang_after must be a number of seconds > 0, got {self.hang_after!r}"))
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
@@ -100,7 +116,8 @@ class Experiment:
             loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
             mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, compile=self.compile,
             return_params=return_params, trace=self.trace, synthetic_forward_s=self.synthetic_forward_s,
-            ranks_per_host=ranks_per_host, measure=self.measure)
+            ranks_per_host=ranks_per_host, measure=self.measure, watch_collectives=True,
+            faults=tuple(f.to_dict() for f in self.faults) if isinstance(self.faults, (list, tuple)) else ())
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
@@ -109,13 +126,14 @@ class Experiment:
     def run(self, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
         """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure."""
         cfg = self.config(return_params=return_params)
-        per_rank = self.cluster.run(train_rank, cfg, timeout=timeout)
+        per_rank = self.cluster.run(train_rank, cfg, timeout=timeout, hang_watch=HangWatch(self.cluster, self.hang_after))
         found = measurements(per_rank, cfg)
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
             step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
             warnings=list(self.warnings) + found.pop("warnings"),
-            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {}, **found)
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
+            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg["faults"]), **found)
 
     def reference(self, *, return_params: bool = False) -> RunResult:
         """The same training in this process: same init, same global batch per step, same AdamW."""

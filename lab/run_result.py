@@ -46,6 +46,9 @@ class RunResult:
     # (named *_records: ``memory()`` and ``comm()`` are the views)
     memory_records: list[dict[str, Any]] = field(default_factory=list)  # MemoryRecord dicts
     comm_records: list[dict[str, Any]] = field(default_factory=list)  # CommRecord dicts
+    # every run (kernels.rank_watch): per rank and step, time in collectives against the rest
+    step_waits: list[dict[str, Any]] = field(default_factory=list)  # kernels.collective_log.StepWait dicts
+    faults: list[dict[str, Any]] = field(default_factory=list)  # lab.Slow/Hang/Crash/Kill injected, as dicts
 
     @property
     def world_size(self) -> int:
