@@ -35,6 +35,7 @@ from typing import Any
 from kernels.records import Record
 
 SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
+MAX_OPEN = 8  # oldest open collectives kept in a snapshot (the one a rank is stuck behind is the oldest)
 _HEADER = struct.Struct("<QI")  # sequence counter (odd while writing), JSON length
 
 
@@ -63,6 +64,7 @@ class RankActivity(Record):
     open: tuple[OpenCollective, ...] = ()
     updated: float = 0.0  # time.time() of this snapshot
     faults: tuple[str, ...] = ()  # faults injected on this rank, as they were applied
+    more_open: int = 0  # open collectives beyond the MAX_OPEN oldest listed
 
     _nested = {"open": OpenCollective}
 
@@ -101,7 +103,9 @@ class StateFile:
 
     def write(self, state: dict[str, Any]) -> int:
         """Publish ``state``; returns the new (even) counter."""
-        body = json.dumps(state, separators=(",", ":")).encode()[: SIZE - _HEADER.size]
+        body = json.dumps(state, separators=(",", ":")).encode()
+        if len(body) > SIZE - _HEADER.size:  # never a cut snapshot: readers would get broken JSON
+            raise ValueError(f"a rank state of {len(body)} bytes does not fit {SIZE - _HEADER.size}")
         self._counter += 1
         _HEADER.pack_into(self._map, 0, self._counter, 0)  # odd: readers wait
         self._map[_HEADER.size:_HEADER.size + len(body)] = body
@@ -131,7 +135,10 @@ def read_state(path: str, tries: int = 50) -> RankActivity | None:
             with open(path, "rb") as f:
                 again = f.read(_HEADER.size)
             if _HEADER.unpack_from(again, 0)[0] == counter:
-                return RankActivity.from_dict(json.loads(body))
+                try:
+                    return RankActivity.from_dict(json.loads(body))
+                except ValueError:  # another writer's format (an older lab): no state to trust
+                    return None
         time.sleep(0.001)
         with open(path, "rb") as f:
             data = f.read(SIZE)
@@ -238,9 +245,10 @@ class CollectiveLog:
         self._waits.append(StepWait(self.rank, self.step, step_s, wait, grad, max(0.0, step_s - wait), self._entered))
 
     def _publish(self) -> None:
+        opened = sorted(self._open.values(), key=lambda c: c.entered)
         state = RankActivity(self.rank, os.getpid(), self._file.counter + 2, self.step, self.action,
-                             tuple(sorted(self._open.values(), key=lambda c: c.entered)), time.time(),
-                             tuple(self.faults))
+                             tuple(opened[:MAX_OPEN]), time.time(), tuple(self.faults[-8:]),
+                             max(0, len(opened) - MAX_OPEN))
         self._file.write(state.to_dict())
 
 

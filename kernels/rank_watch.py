@@ -10,8 +10,9 @@ training run:
   the payload; exit is logged when the call returns, or for an async collective when its
   future completes (from the backend's thread). DDP's buckets are all-reduced in C++
   unless a Python comm hook is registered, so ``attach`` routes DDP through torch's stock
-  ``allreduce_hook`` (``kernels.comm.route_ddp_through_python``, the same maths). gloo's
-  p2p works have no future: isend/irecv are logged as entered and left at their post;
+  ``allreduce_hook`` (``kernels.comm.route_ddp_through_python``, the same maths). Blocking
+  send/recv are logged; isend/irecv (a pipeline's p2p) are not: ``P2POp`` accepts only
+  torch's own functions, and gloo's p2p works have no future to log their end;
 - actions: forward pre/post hooks on the trained modules, a gradient hook on each
   output (backward starts), the optimizer's step pre-hook; the first forward of a step
   is where step faults strike;
@@ -28,6 +29,7 @@ Run alone (one DP step of the tiny GPT on 2 ranks, then prints the rank's state 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -42,8 +44,9 @@ from kernels import faults as fault_kinds
 from kernels.collective_log import CollectiveLog, StepWait
 from kernels.comm import _DIST_OPS, route_ddp_through_python
 
-_OPS = {**_DIST_OPS, "barrier": ("barrier", lambda a: 0)}
-_P2P_POSTS = {"isend", "irecv"}  # gloo's p2p works have no future: logged at their post
+# isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
+# gloo's p2p works have no future to log their end with.
+_OPS = {**{k: v for k, v in _DIST_OPS.items() if k not in ("isend", "irecv")}, "barrier": ("barrier", lambda a: 0)}
 
 
 class RankWatch:
@@ -92,6 +95,7 @@ class RankWatch:
         op, payload = _OPS[name]
         sig = inspect.signature(fn)
 
+        @functools.wraps(fn)  # keeps the signature for wrappers around this one (kernels.comm's meter binds it)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._local, "depth", 0):  # an inner call of a logged one
                 return fn(*args, **kwargs)
@@ -109,7 +113,7 @@ class RankWatch:
                 raise
             finally:
                 self._local.depth = 0
-            if work is None or name in _P2P_POSTS or not hasattr(work, "get_future"):
+            if work is None or not hasattr(work, "get_future"):
                 self.log.leave(token)
             else:
                 work.get_future().add_done_callback(lambda _, token=token: self.log.leave(token))

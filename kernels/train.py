@@ -16,7 +16,8 @@ rank's), layout (coords, strategy, per-parameter global/local shapes and
 placements; with pp also dp_strategy, schedule, stage_ids and stage_layers) and
 params (this rank's parameters gathered whole, by name: every parameter, or with pp
 its stages'); with measure, measure (``kernels.measure``'s record); with trace (pp
-only), trace (``kernels.step_hooks.PipelineTracer``'s record).
+only), trace (``kernels.step_hooks.PipelineTracer``'s record); with watch_collectives or
+faults, waits (``kernels.collective_log.StepWait`` dicts, from ``kernels.rank_watch``).
 
 Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference)::
 
