@@ -130,7 +130,7 @@ def test_hang_gives_a_report_naming_the_hung_rank_and_the_collective_the_others_
     if how == "interrupt":
         _interrupt_once_hung(cluster, 2)
     with pytest.raises(expected) as info:
-        exp.run(timeout=20.0 if how == "timeout" else None)  # setup takes seconds on loaded cores
+        exp.run(timeout=15.0 if how == "timeout" else None)  # setup takes seconds on loaded cores
     report = info.value.report
     assert report.never_arrived == (2,)
     finding = report.findings[0]
