@@ -48,7 +48,7 @@ from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
 from lab.cluster import Cluster
-from lab.faults import fault_problems
+from lab.faults import fault_dicts, fault_problems
 from lab.hang_report import HangWatch
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
@@ -117,7 +117,7 @@ class Experiment:
             mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, compile=self.compile,
             return_params=return_params, trace=self.trace, synthetic_forward_s=self.synthetic_forward_s,
             ranks_per_host=ranks_per_host, measure=self.measure, watch_collectives=True,
-            faults=tuple(f.to_dict() for f in self.faults) if isinstance(self.faults, (list, tuple)) else ())
+            faults=fault_dicts(self.faults))
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
@@ -126,7 +126,8 @@ class Experiment:
     def run(self, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
         """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure."""
         cfg = self.config(return_params=return_params)
-        per_rank = self.cluster.run(train_rank, cfg, timeout=timeout, hang_watch=HangWatch(self.cluster, self.hang_after))
+        watch = HangWatch(self.cluster, self.hang_after)
+        per_rank = self.cluster.run(train_rank, cfg, timeout=timeout, hang_watch=watch)
         found = measurements(per_rank, cfg)
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),

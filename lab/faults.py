@@ -68,6 +68,11 @@ class Kill(_AtStep):
 FAULTS = (Slow, Hang, Crash, Kill)
 
 
+def fault_dicts(faults: Any) -> tuple[dict[str, Any], ...]:
+    """The plain dicts the ranks receive; anything not a lab fault is left to ``fault_problems`` to name."""
+    return tuple(f.to_dict() for f in faults if isinstance(f, FAULTS)) if isinstance(faults, (list, tuple)) else ()
+
+
 def fault_problems(faults: Any, world_size: int, steps: Any) -> list[Problem]:
     """[faults]: every fault is a lab fault on a rank of the pool, at a step the run takes, slow by >= 1."""
     if not isinstance(faults, (list, tuple)):
