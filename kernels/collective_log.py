@@ -21,6 +21,7 @@ Torch-free (the driver and the views import it). Run alone (writes, then reads b
 """
 from __future__ import annotations
 
+import atexit
 import json
 import mmap
 import os
@@ -29,7 +30,7 @@ import struct
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kernels.records import Record
@@ -88,6 +89,16 @@ def log_path(pid: int, directory: str | None = None) -> str:
     return os.path.join(directory, f"cluster-lab-collectives-{pid}.bin")
 
 
+_TO_REMOVE: set[str] = set()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
 class StateFile:
     """A fixed-size memory-mapped file holding one JSON snapshot behind a sequence lock."""
 
@@ -100,6 +111,9 @@ class StateFile:
         finally:
             os.close(fd)
         self._counter = _HEADER.unpack_from(self._map, 0)[0] & ~1  # keep counting where the file was
+        if path not in _TO_REMOVE:  # it outlives each run (the driver reads "done"), not the process
+            _TO_REMOVE.add(path)
+            atexit.register(_remove, path)
 
     def write(self, state: dict[str, Any]) -> int:
         """Publish ``state``; returns the new (even) counter."""
@@ -277,4 +291,3 @@ if __name__ == "__main__":
     log.act("forward, step 0, micro-batch 0")
     log.enter("all_reduce", "dp", (0, 1), 1024)
     print(read_state(log_path(os.getpid())))
-    os.remove(log_path(os.getpid()))

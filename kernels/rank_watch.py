@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -41,7 +42,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels import faults as fault_kinds
-from kernels.collective_log import CollectiveLog, StepWait
+from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state
 from kernels.comm import _DIST_OPS, route_ddp_through_python
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
@@ -204,13 +205,11 @@ def _group_names(meshes: list[Any]) -> dict[int, str]:
 
 def _main() -> None:
     from kernels.run_config import RunConfig
-    from kernels.train import train_rank
+    from kernels.train import train_rank  # imports this module: only here, to run alone
 
     dist.init_process_group("gloo")
     out = train_rank(RunConfig(model={"layers": 2}, dp=dist.get_world_size(), steps=2, watch_collectives=True,
                                return_params=False).to_dict())
-    from kernels.collective_log import log_path, read_state
-    import os
     print(dist.get_rank(), read_state(log_path(os.getpid())), out["waits"])
     dist.destroy_process_group()
 
