@@ -22,13 +22,14 @@ Torch-free (the driver and the views import it). Run alone (writes, then reads b
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import json
 import mmap
 import os
 import statistics
 import struct
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -93,10 +94,8 @@ _TO_REMOVE: set[str] = set()
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass
 
 
 class StateFile:
@@ -162,12 +161,15 @@ def read_state(path: str, tries: int = 50) -> RankActivity | None:
 class CollectiveLog:
     """This rank's state and per-step waits; every change is published to its ``StateFile``.
 
-    ``enter``/``leave`` may come from different threads (an async collective leaves from
-    the backend's completion callback), hence the lock.
+    Only the rank's main thread changes the state. An async collective completes on the
+    backend's thread, which only appends to ``_done`` (a deque: no lock, no file I/O on a
+    thread that the backend's own shutdown joins); the main thread takes those in at its
+    next call, with the time they completed.
     """
 
     def __init__(self, rank: int, path: str | None = None) -> None:
-        self.rank, self._lock = rank, threading.Lock()
+        self.rank = rank
+        self._done: collections.deque[tuple[int, float]] = collections.deque()
         self._file = StateFile(path or log_path(os.getpid()))
         self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
         self._open: dict[int, OpenCollective] = {}
@@ -180,53 +182,60 @@ class CollectiveLog:
 
     # ----------------------------------------------------------------- state
     def enter(self, op: str, group: str, ranks: tuple[int, ...], nbytes: int) -> int:
-        """A collective begins; returns the token ``leave`` takes."""
-        with self._lock:
-            key = (group, ranks)
-            self._seq[key] = self._seq.get(key, 0) + 1
-            token, self._next_token = self._next_token, self._next_token + 1
-            phase = self.action.split(",")[0]
-            self._open[token] = OpenCollective(op, group, ranks, self._seq[key], int(nbytes), time.time(), phase)
-            self._spans_opened(phase == "backward")
-            self._publish()
-            return token
+        """A collective begins; returns the token ``leave`` (or ``completed``) takes."""
+        self._take_completed()
+        key = (group, ranks)
+        self._seq[key] = self._seq.get(key, 0) + 1
+        token, self._next_token = self._next_token, self._next_token + 1
+        phase = self.action.split(",")[0]
+        self._open[token] = OpenCollective(op, group, ranks, self._seq[key], int(nbytes), time.time(), phase)
+        self._spans_opened(phase == "backward")
+        self._publish()
+        return token
 
     def leave(self, token: int) -> None:
-        """The collective ``token`` names completed (or failed)."""
-        with self._lock:
-            entry = self._open.pop(token, None)
-            if entry is None:
-                return
-            self._spans_closed(entry.phase == "backward")
-            self._publish()
+        """On the main thread: the collective ``token`` names returned (or failed)."""
+        self._done.append((token, time.perf_counter()))
+        self._take_completed()
+        self._publish()
+
+    def completed(self, token: int) -> None:
+        """On any thread (a future's callback): the async collective ``token`` names completed."""
+        self._done.append((token, time.perf_counter()))
 
     def act(self, action: str) -> None:
         """The rank is now doing ``action`` (e.g. "forward, step 2, micro-batch 0")."""
-        with self._lock:
-            self.action = action
-            self._publish()
+        self._take_completed()
+        self.action = action
+        self._publish()
 
     def note_fault(self, text: str) -> None:
-        with self._lock:
-            self.faults.append(text)
-            self._publish()
+        self.faults.append(text)
+        self._publish()
 
     def begin_step(self, step: int) -> None:
         """Step ``step`` starts: the previous one's waits are closed into a ``StepWait``."""
-        with self._lock:
-            now = time.perf_counter()
-            self._close_step(now)
-            self.step, self.action = step, f"step {step} begins"
-            self._reset_step(now)
-            self._publish()
+        self._take_completed()
+        now = time.perf_counter()
+        self._close_step(now)
+        self.step, self.action = step, f"step {step} begins"
+        self._reset_step(now)
+        self._publish()
 
     def finish(self) -> list[StepWait]:
         """The last step ends; returns every step's ``StepWait``."""
-        with self._lock:
-            self._close_step(time.perf_counter())
-            self.step, self.action = -1, "done"
-            self._publish()
-            return list(self._waits)
+        self._take_completed()
+        self._close_step(time.perf_counter())
+        self.step, self.action = -1, "done"
+        self._publish()
+        return list(self._waits)
+
+    def _take_completed(self) -> None:
+        while self._done:
+            token, at = self._done.popleft()
+            entry = self._open.pop(token, None)
+            if entry is not None:
+                self._spans_closed(entry.phase == "backward", at)
 
     def close(self) -> None:
         self._file.close()
@@ -244,8 +253,7 @@ class CollectiveLog:
                 span[2] = now
             span[1] += 1
 
-    def _spans_closed(self, grad: bool) -> None:
-        now = time.perf_counter()
+    def _spans_closed(self, grad: bool, now: float) -> None:
         for span in (self._wait, self._grad) if grad else (self._wait,):
             span[1] = max(0, span[1] - 1)
             if span[1] == 0:
@@ -289,5 +297,4 @@ if __name__ == "__main__":
     log = CollectiveLog(rank=0, path=log_path(os.getpid()))
     log.begin_step(0)
     log.act("forward, step 0, micro-batch 0")
-    log.enter("all_reduce", "dp", (0, 1), 1024)
-    print(read_state(log_path(os.getpid())))
+    print(log.enter("all_reduce", "dp", (0, 1), 1024), read_state(log_path(os.getpid())))

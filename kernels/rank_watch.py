@@ -8,7 +8,7 @@ training run:
   functions are wrapped (as ``kernels.comm.CommMeter`` wraps them): entry is logged with
   the op, the group (named by its mesh axis), its ranks, the group's sequence number and
   the payload; exit is logged when the call returns, or for an async collective when its
-  future completes (from the backend's thread). DDP's buckets are all-reduced in C++
+  future completes (the backend's thread only queues it; the main thread publishes it). DDP's buckets are all-reduced in C++
   unless a Python comm hook is registered, so ``attach`` routes DDP through torch's stock
   ``allreduce_hook`` (``kernels.comm.route_ddp_through_python``, the same maths). Blocking
   send/recv are logged; isend/irecv (a pipeline's p2p) are not: ``P2POp`` accepts only
@@ -117,7 +117,7 @@ class RankWatch:
             if work is None or not hasattr(work, "get_future"):
                 self.log.leave(token)
             else:
-                work.get_future().add_done_callback(lambda _, token=token: self.log.leave(token))
+                work.get_future().add_done_callback(lambda _, token=token: self.log.completed(token))
             return work
         return wrapper
 
