@@ -23,7 +23,7 @@ from kernels.records import Record
 
 # The switches: each must be True or False.
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload", "compile", "return_params",
-         "record_grad_norm", "measure", "trace", "checkpoint_async", "progress")
+         "record_grad_norm", "measure", "trace", "checkpoint_async", "progress", "watch_collectives")
 
 @dataclass(frozen=True)
 class RunConfig(Record):
@@ -70,6 +70,9 @@ class RunConfig(Record):
     resume_from: str | None = None  # a step directory, a checkpoint directory (its latest) or a .safetensors file
     checkpoint_async: bool = False
     progress: bool = False  # live per-step records and stop on request (kernels.progress)
+    # watching (kernels.rank_watch): the collective log the driver reads, and faults on purpose (kernels.faults)
+    watch_collectives: bool = False
+    faults: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         problems = run_problems(self)
@@ -80,6 +83,7 @@ class RunConfig(Record):
         if self.ranks_per_host is not None:
             object.__setattr__(self, "ranks_per_host", tuple(self.ranks_per_host))
         object.__setattr__(self, "model", dict(self.model))
+        object.__setattr__(self, "faults", tuple(dict(f) for f in self.faults))
 
     @property
     def dataset_seed(self) -> int:

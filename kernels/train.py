@@ -16,7 +16,8 @@ rank's), layout (coords, strategy, per-parameter global/local shapes and
 placements; with pp also dp_strategy, schedule, stage_ids and stage_layers) and
 params (this rank's parameters gathered whole, by name: every parameter, or with pp
 its stages'); with measure, measure (``kernels.measure``'s record); with trace (pp
-only), trace (``kernels.step_hooks.PipelineTracer``'s record).
+only), trace (``kernels.step_hooks.PipelineTracer``'s record); with watch_collectives or
+faults, waits (``kernels.collective_log.StepWait`` dicts, from ``kernels.rank_watch``).
 
 Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference)::
 
@@ -48,6 +49,7 @@ from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.progress import reporter_for
+from kernels.rank_watch import RankWatch
 from kernels.reference import train_reference
 from kernels.run_checkpoints import RunCheckpoints, settle_ddp_buckets
 from kernels.run_config import RunConfig
@@ -70,7 +72,8 @@ def _optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, devic
     return torch.optim.AdamW(model.parameters(), **kwargs)
 
 
-def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device) -> dict[str, Any]:
+def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device,
+                watch: RankWatch | None = None) -> dict[str, Any]:
     """pp == 1: the whole model, parallelized once; returns the records."""
     model = parallelize(build_gpt(model_config(run), device=device), strategy, mesh, dp_mesh)
     inner = unwrap(model)
@@ -78,9 +81,11 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
     ckpt = RunCheckpoints(run, inner, optimizer, strategy)
     first = ckpt.resume()
     probe = step_probe(model, optimizer, device) if run.measure else None
+    if watch is not None:
+        watch.attach([model], optimizer)
     step_fn = FlatStep(model, strategy.microbatches, strategy.loss_parallel, device)
     losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps - first, probe), device,
-                                 ckpt)
+                                 ckpt, watch)
     rank = dist.get_rank()
     layout = {"rank": rank, "coords": dims.coords(rank), "strategy": strategy.kind, "zero": strategy.zero,
               "hybrid": strategy.hybrid, "params": describe_params(inner)}
@@ -96,7 +101,8 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
     return out
 
 
-def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device) -> dict[str, Any]:
+def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device,
+                    watch: RankWatch | None = None) -> dict[str, Any]:
     """pp > 1: this rank's stages, each parallelized by the pipeline's model_transform hook; returns the records."""
     transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=dp_mesh)
     runtime = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
@@ -108,10 +114,12 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
     first = ckpt.resume()
     probe = PipelineProbe(stack, optimizer, device, runtime.stages) if run.measure else None
     tracer = PipelineTracer(run, runtime, device) if run.trace else None
+    if watch is not None:
+        watch.attach(list(runtime.modules), optimizer, list(runtime.stage_ids))
     by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
     step_fn = PipelineStep(runtime, stack, dp_group(mesh) if by_hand else None, pp_group(mesh), device)
     losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps - first, probe, tracer),
-                                 device, ckpt)
+                                 device, ckpt, watch)
     out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),
            **_pipeline_records(run, dims, runtime, strategy, optimizer)}
     if probe is not None:  # kernels.measure's record: the dp strategy, the schedule's sizes
@@ -124,15 +132,16 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
 
 
 def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: StepHooks, device: torch.device,
-          ckpt: RunCheckpoints):
+          ckpt: RunCheckpoints, watch: RankWatch | None = None):
     batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=dp_rank(mesh),
                           dp=dims.dp, device=device, first_step=ckpt.first_step)
     if ckpt.first_step:
         settle_ddp_buckets(step_fn, batches, optimizer)
+    watched = watch.batches(batches) if watch is not None else batches
     progress = reporter_for(run.steps - ckpt.first_step, run.global_batch * model_config(run).seq_len, device,
                             step_fn, run.world_size) if run.progress else None
     with progress or contextlib.nullcontext():
-        out = train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
+        out = train_loop(step_fn, optimizer, watched, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
                          record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step, progress=progress)
     ckpt.close()  # an asynchronous save still in flight is named before the run returns
     return out
@@ -177,7 +186,14 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             return {"losses": [], "grad_norms": [], "step_times": [], "params": {},
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         train = _train_pipeline if dims.pp > 1 else _train_flat
-        return train(run, dims, strategy, mesh, dp_mesh, device)
+        if not (run.watch_collectives or run.faults):
+            return train(run, dims, strategy, mesh, dp_mesh, device)
+        synthetic = run.synthetic_forward_s if dims.pp == 1 else None  # with pp the tracer pads actions
+        watch = RankWatch([mesh, dp_mesh], run.faults, synthetic)
+        with watch.patched():
+            out = train(run, dims, strategy, mesh, dp_mesh, device, watch)
+            out["waits"] = [w.to_dict() for w in watch.finish()]
+        return out
     finally:
         destroy_mesh_groups(mesh, dp_mesh)
         # The run's model, optimizer and DTensors sit in reference cycles (module hooks,

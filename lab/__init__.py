@@ -39,6 +39,8 @@ _HOME = {
     "CheckpointError": "kernels.checkpoint_files", "CheckpointMismatchError": "kernels.checkpoint_files",
     "CheckpointMissingError": "kernels.checkpoint_files",
     "compare_schedules": "lab.compare", "plot_schedules": "lab.compare",
+    "Slow": "lab.faults", "Hang": "lab.faults", "Crash": "lab.faults", "Kill": "lab.faults",
+    "HangError": "lab.errors", "HangReport": "lab.hang_report",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 _ALIASES = {"GPT": "GPTConfig"}

@@ -26,6 +26,7 @@ from lab.standby import Standby
 from lab.supervise import Outcome, wait_ranks
 
 if TYPE_CHECKING:
+    from lab.hang_report import HangWatch
     from widgets import ClusterView
 
 
@@ -119,7 +120,7 @@ class Cluster(WorldKeeper, FailureReporter):
 
     # ---------------------------------------------------------------- running code
     def run(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
-            timeout: float | None = None, **kwargs: Any) -> Any:
+            timeout: float | None = None, hang_watch: "HangWatch | None" = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` on the ranks and return their results.
 
         Returns a list indexed by rank when ``ranks`` is None, else a dict keyed by
@@ -128,6 +129,10 @@ class Cluster(WorldKeeper, FailureReporter):
         waiting when ``timeout`` seconds pass, or :class:`DeadRankError` when an
         engine dies. Before any of these is raised the world is rebuilt, lost engines
         replaced, and the error's ``recovery`` says what that took.
+
+        With ``hang_watch`` (``lab.hang_report.HangWatch``) a stall ends the call with
+        :class:`HangError`, and on a stall, a timeout or an interrupt its ``HangReport``
+        is taken before recovery and rides on the error (``err.report``).
         """
         targets = self._targets(ranks)
         self._standby.warm({r.engine_id for r in self._rank_map.ranks})
@@ -140,8 +145,12 @@ class Cluster(WorldKeeper, FailureReporter):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             out = wait_ranks(pending, self._is_dead, deadline=deadline,
-                             on_slice=self._notify if self._watchers else None)
-        except KeyboardInterrupt:
+                             on_slice=self._notify if self._watchers else None,
+                             stalled=hang_watch.stalled if hang_watch is not None else None)
+        except KeyboardInterrupt as interrupt:
+            if hang_watch is not None:  # before recovery signals anyone
+                interrupt.report = hang_watch.capture("an interrupt")
+                interrupt.add_note(str(interrupt.report))
             recovery = self._recover(Outcome(pending=dict(pending)), interrupt=True)
             self._states = {r: ("dead", "engine process is gone") for r in self._dead}
             self._notify()
@@ -150,7 +159,7 @@ class Cluster(WorldKeeper, FailureReporter):
             raise
         if not out.clean:
             try:
-                self._raise_after_recovery(out, timeout=timeout)
+                self._raise_after_recovery(out, timeout=timeout, hang_watch=hang_watch)
             finally:
                 self._notify()
         for r in targets:

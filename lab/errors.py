@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kernels.records import RankFailure
 
@@ -106,13 +107,19 @@ class RankTimeoutError(RankError, TimeoutError):
 
     ``late`` are the ranks that never reached the collective (or step) the others were
     waiting in; ``waiting`` maps each rank that waited to the collective it waited in.
+    ``report`` is the ``lab.HangReport`` taken at the deadline, when the run was watched.
     """
 
     def __init__(self, failures: Sequence[RankFailure], summary: str = "", recovery: Recovery | None = None,
-                 *, late: Sequence[int] = (), waiting: dict[int, str] | None = None) -> None:
+                 *, late: Sequence[int] = (), waiting: dict[int, str] | None = None, report: Any = None) -> None:
         self.late = list(late)
         self.waiting = dict(waiting or {})
+        self.report = report
         super().__init__(failures, summary, recovery)
+
+
+class HangError(RankTimeoutError):
+    """No rank made progress for ``hang_after`` seconds; ``report`` (a ``lab.HangReport``) says where each one was."""
 
 
 class DeadRankError(RankError):

@@ -21,9 +21,11 @@ costs what it did):
   all-reduce and the optimizer step. The driver computes the bubble
   (``lab.timeline.bubble_from_records``) and the planned order to overlay. Use
   ``steps >= 2``: the first step also infers the p2p shapes.
-- ``synthetic_forward_s=t`` (needs trace): every action is padded to a fixed cost (F = t,
+- ``synthetic_forward_s=t`` (pipelines: needs trace): every action is padded to a fixed cost (F = t,
   B = 2t per rank share, ``kernels.synthetic``), so the bubble can be compared with
   theory. With real compute and more ranks than cores, the run's warnings say so.
+  Without a pipeline every step's forward is padded to t and its backward to 2t
+  (``kernels.faults``), so a ``lab.Slow`` straggler has a known cost.
 - ``compile=True``: every block runs through ``torch.compile`` on the ranks
   (``kernels.parallel.compile_blocks``); the first step pays the compilation.
 - ``measure=True``: the last step is probed (``kernels.measure``): memory per category
@@ -32,6 +34,12 @@ costs what it did):
 - ``checkpoint_dir=PATH, checkpoint_every=K`` (``checkpoint_async=True`` in the background):
   save after every K steps and after the last; ``resume_from=`` a checkpoint (or a
   safetensors file) goes on from its step under this layout (``lab.checkpointing``).
+- ``faults=[lab.Slow(2, 2.0), lab.Hang(1, at_step=2), ...]`` (``lab.faults``): faults on
+  purpose, checked before launch and listed in ``RunResult.faults``.
+- ``hang_after=s``: once no rank makes progress for s seconds, ``run()`` raises
+  ``lab.HangError`` with a ``HangReport`` (``lab.hang_report``). Every run publishes
+  each rank's collectives (``kernels.rank_watch``), so a timeout or an interrupt carries
+  the same report; ``RunResult.step_waits`` has each rank's wait and compute per step.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from kernels.config_rules import ConfigError, Problem
@@ -50,6 +59,8 @@ from kernels.train import train_rank
 from lab.checkpointing import check_resume, directory_problems, resume_path
 from lab import run_logs, run_views
 from lab.cluster import Cluster
+from lab.faults import fault_dicts, fault_problems
+from lab.hang_report import HangWatch
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
 from lab.run_handle import RunHandle
@@ -73,7 +84,7 @@ class Experiment:
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
-                 checkpoint_async: bool = False) -> None:
+                 checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None) -> None:
         self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
@@ -81,6 +92,7 @@ class Experiment:
         # checkpoints (lab.checkpointing): paths made absolute, as the ranks' working directory may differ
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
         self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
+        self.faults, self.hang_after = faults, hang_after
         problems = self._problems(optimizer)
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
@@ -103,6 +115,9 @@ class Experiment:
         except ConfigError as error:
             out += error.problems
         out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
+        out += fault_problems(self.faults, self.cluster.world_size, self.steps)
+        if self.hang_after is not None and not (isinstance(self.hang_after, (int, float)) and self.hang_after > 0):
+            out.append(("hang-after", f"hang_after must be a number of seconds > 0, got {self.hang_after!r}"))
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
@@ -120,7 +135,8 @@ class Experiment:
             return_params=return_params, trace=self.trace, synthetic_forward_s=self.synthetic_forward_s,
             ranks_per_host=ranks_per_host, measure=self.measure, checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.checkpoint_every, checkpoint_async=self.checkpoint_async,
-            resume_from=None if self.resume_from is None else os.fspath(self.resume_from))
+            resume_from=None if self.resume_from is None else os.fspath(self.resume_from),
+            watch_collectives=True, faults=fault_dicts(self.faults))
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
@@ -137,7 +153,9 @@ class Experiment:
         """
         if not progress and log_to is None:
             cfg = self._resumed(self.config(return_params=return_params))
-            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout), cfg, return_params)
+            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout,
+                                                 hang_watch=HangWatch(self.cluster, self.hang_after)),
+                                cfg, return_params)
         handle = self._handle(timeout, return_params, log_to)
         with run_views.progress_bar(handle, show=progress):
             handle._begin(background=False)  # the call runs here, so an interrupt reaches the pool as always
@@ -165,7 +183,8 @@ class Experiment:
             step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
             warnings=list(self.warnings) + found.pop("warnings"),
             params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
-            first_step=per_rank[0].get("first_step", 0), **found)
+            first_step=per_rank[0].get("first_step", 0),
+            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg["faults"]), **found)
 
     def reference(self, *, return_params: bool = False) -> RunResult:
         """The same training in this process: same init, same global batch per step, same AdamW."""

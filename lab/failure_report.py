@@ -21,7 +21,7 @@ from kernels import stack_report
 from kernels.records import RankMap
 from kernels.stack_report import Frame
 from lab import frames as frame_view
-from lab.errors import DeadRankError, RankError, RankTimeoutError, Recovery, rank_list
+from lab.errors import DeadRankError, HangError, RankError, RankTimeoutError, Recovery, rank_list
 from lab.supervise import Outcome, describe_failures
 
 DUMP_WAIT_S = 0.5  # a signalled rank writes its stack from a C handler within milliseconds
@@ -31,8 +31,12 @@ ASK_WAIT_S = 3.0  # how long ranks get to hand over their failure frames after r
 class FailureReporter:
     """Raises the error for a failed call once the world is recovered (mixed into ``lab.cluster.Cluster``)."""
 
-    def _raise_after_recovery(self, out: Outcome, *, timeout: float | None) -> NoReturn:
+    def _raise_after_recovery(self, out: Outcome, *, timeout: float | None, hang_watch: Any = None) -> NoReturn:
         timed_out = out.deadline_hit
+        report = None
+        if hang_watch is not None and timed_out:  # first: nothing signalled or torn down yet
+            report = hang_watch.capture(f"no progress for {hang_watch.hang_after:g} s (hang_after)" if out.stalled
+                                        else f"the {timeout:g} s timeout")
         rank_map = self._rank_map  # the PIDs that failed, before recovery replaces any
         at_deadline = self._stacks_now(set(out.pending)) if timed_out else {}
         skipped = set(out.results) if timed_out else set()  # returned while others still ran
@@ -41,6 +45,8 @@ class FailureReporter:
                                      recovery))
         raised = self._failure_frames(out, recovery)
         late = {r: (frame_view.collective_of(f) if f else None) for r, f in at_deadline.items()}
+        if report is not None:  # a rank blocked in C++ (DDP's reducer) has no dist frame; its log says where
+            late.update({r: report.rank(r).collective for r, c in late.items() if c is None and report.rank(r).op})
         where = {r: frame_view.render(frame_view.user_frame(f)) for r, f in {**raised, **at_deadline}.items() if f}
         stacks = {r: frame_view.plain_traceback(f) for r, f in at_deadline.items() if f}
         late_ranks, skipped = _culprits(late, skipped)
@@ -55,8 +61,13 @@ class FailureReporter:
             raise DeadRankError(failures, _dead_summary(out.dead, rank_map), recovery)
         if timed_out:
             waiting = {r: c for r, c in late.items() if c}
-            raise RankTimeoutError(failures, _timeout_summary(late_ranks, waiting, skipped, rank_map, timeout),
-                                   recovery, late=late_ranks, waiting=waiting)
+            if out.stalled:
+                raise HangError(failures, f"no rank made progress for {hang_watch.hang_after:g} s (hang_after): "
+                                + "; ".join(report.findings), recovery, late=late_ranks, waiting=waiting,
+                                report=report)
+            summary = _timeout_summary(late_ranks, waiting, skipped, rank_map, timeout)
+            raise RankTimeoutError(failures, summary + (f"\n{report}" if report else ""), recovery, late=late_ranks,
+                                   waiting=waiting, report=report)
         raise RankError(failures, recovery=recovery)
 
     def _stacks_now(self, ranks: set[int]) -> dict[int, list[Frame] | None]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from kernels.progress import ARMED_KEY, STOP_SIGNAL
 from kernels.progress_records import StepProgress
 from kernels.train import train_rank
+from lab.hang_report import HangWatch
 
 if TYPE_CHECKING:
     from lab.experiment import Experiment
@@ -73,7 +74,8 @@ class RunHandle:
         cluster, result = self.experiment.cluster, None
         cluster._submit_listeners.append(self._submitted)
         try:
-            per_rank = cluster.run(train_rank, self.config, timeout=self._timeout)
+            per_rank = cluster.run(train_rank, self.config, timeout=self._timeout,
+                                   hang_watch=HangWatch(cluster, self.experiment.hang_after))
             result = self.experiment._result(per_rank, self.config, self._return_params)
         except BaseException as error:  # raised again by wait(), on the caller's thread
             self._error = error

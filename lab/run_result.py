@@ -55,6 +55,9 @@ class RunResult:
     def steps_ran(self) -> list[int]:
         """The steps this run trained, counted from 1 over the whole training: [4, 5, 6] after a resume at 3."""
         return list(range(self.first_step + 1, self.first_step + len(self.losses) + 1))
+    # every run (kernels.rank_watch): per rank and step, time in collectives against the rest
+    step_waits: list[dict[str, Any]] = field(default_factory=list)  # kernels.collective_log.StepWait dicts
+    faults: list[dict[str, Any]] = field(default_factory=list)  # lab.Slow/Hang/Crash/Kill injected, as dicts
 
     @property
     def world_size(self) -> int:

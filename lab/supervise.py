@@ -38,6 +38,7 @@ class Outcome:
     pending: dict[int, AsyncResult] = field(default_factory=dict)
     finished_at: dict[int, float] = field(default_factory=dict)
     deadline_hit: bool = False  # the wait ended because the deadline passed
+    stalled: bool = False  # ... or because no rank made progress (``stalled`` said so)
 
     @property
     def clean(self) -> bool:
@@ -47,11 +48,13 @@ class Outcome:
 
 def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], *,
                deadline: float | None = None, stop_on_failure: bool = True,
-               outcome: Outcome | None = None, on_slice: Callable[[], None] | None = None) -> Outcome:
+               outcome: Outcome | None = None, on_slice: Callable[[], None] | None = None,
+               stalled: Callable[[], bool] | None = None) -> Outcome:
     """Wait until every rank is done, one fails or dies (if ``stop_on_failure``), or the deadline.
 
     ``deadline`` is a ``time.monotonic()`` value. Ranks still running on return stay
-    in ``outcome.pending``. ``on_slice`` is called after each wait slice while ranks run.
+    in ``outcome.pending``. ``on_slice`` is called after each wait slice while ranks run;
+    when ``stalled()`` says so, the wait ends as at a deadline (``outcome.stalled``).
     """
     out = outcome or Outcome()
     out.pending.update(pending)
@@ -73,6 +76,9 @@ def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], 
             on_slice()  # e.g. a live view's refresh while ranks are still busy
         if deadline is not None and time.monotonic() >= deadline:
             out.deadline_hit = bool(out.pending)
+            break
+        if stalled is not None and out.pending and stalled():
+            out.deadline_hit = out.stalled = True
             break
     return out
 

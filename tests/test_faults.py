@@ -1,0 +1,189 @@
+"""Faults on purpose give their named outcome, and a hang is diagnosed from the ranks' collective logs.
+
+The pool tests run on the shared 4-rank pool with the tiny GPT under DP 4. The bounds are
+the issue's: a HangReport within hang_after + 5 s of the hang, naming the hung rank and the
+collective the others wait in; the Slow wait figure within 25%.
+"""
+from __future__ import annotations
+
+import _thread
+import statistics
+import threading
+import time
+
+import pytest
+
+import lab
+from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state, straggler
+from lab.faults import fault_problems
+from lab.hang_report import RankDoing, build_report
+
+MODEL = dict(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
+HANG_AFTER_S = 3.0
+REPORT_SLACK_S = 5.0  # the issue's bound: the report within hang_after + 5 s of the hang
+
+
+# ------------------------------------------------------------------ torch-free parts
+def test_a_ranks_log_is_read_back_while_it_is_open_with_per_group_sequence_numbers(tmp_path):
+    path = str(tmp_path / "log.bin")
+    log = CollectiveLog(rank=1, path=path)
+    log.begin_step(0)
+    log.act("backward, step 0, micro-batch 0")
+    first = log.enter("all_reduce", "dp", (0, 1), 4096)
+    log.leave(first)
+    log.enter("all_reduce", "dp", (0, 1), 8)
+    log.enter("broadcast", "tp", (1, 3), 16)
+    state = read_state(path)
+    assert state.rank == 1 and state.step == 0 and state.action == "backward, step 0, micro-batch 0"
+    assert [(c.op, c.group, c.ranks, c.seq, c.nbytes, c.phase) for c in state.open] == [
+        ("all_reduce", "dp", (0, 1), 2, 8, "backward"), ("broadcast", "tp", (1, 3), 1, 16, "backward")]
+    waits = log.finish()
+    assert read_state(path).action == "done"
+    assert len(waits) == 1 and waits[0].collectives == 3
+    assert 0 < waits[0].grad_sync_s == waits[0].wait_s <= waits[0].step_s  # still-open ones count to the step's end
+    log.close()
+
+
+def test_log_path_is_per_process_in_the_given_directory(tmp_path):
+    assert log_path(123, str(tmp_path)) == str(tmp_path / "cluster-lab-collectives-123.bin")
+    assert read_state(str(tmp_path / "missing.bin")) is None
+
+
+def test_report_names_who_waits_where_and_who_never_arrived():
+    group = (0, 1, 2, 3)
+    rows = [RankDoing(r, "in collective", "backward, step 1, micro-batch 0", "all_reduce", "dp", group, 57, 1024, 6.0)
+            for r in (0, 1)]
+    rows.insert(2, RankDoing(2, "in compute", "forward, step 1, micro-batch 3, stage 1", silent_s=6.1))
+    rows.append(RankDoing(3, "in collective", "backward, step 1, micro-batch 0", "all_reduce", "dp", group, 57, 1024,
+                          5.0))
+    report = build_report(rows, "a test")
+    assert report.findings == ("ranks 0, 1, 3 wait in all_reduce #57 of group dp=[0,1,2,3] (for 6.0 s); rank 2 never "
+                               "entered it (last seen in forward, step 1, micro-batch 3, stage 1)",)
+    assert report.never_arrived == (2,)
+    assert "rank 2: in compute, last seen in forward" in str(report)
+
+
+def test_report_tells_a_mismatch_from_a_missing_rank():
+    rows = [RankDoing(0, "in collective", "optimizer, step 0", "all_reduce", "world", (0, 1), 4, 8, 2.0),
+            RankDoing(1, "in collective", "optimizer, step 0", "broadcast", "world", (0, 1), 4, 8, 2.0)]
+    report = build_report(rows, "a test")
+    assert report.never_arrived == ()
+    assert "rank 1 waits in broadcast #4 of group world=[0,1] instead" in report.findings[0]
+
+
+def test_straggler_is_the_rank_whose_compute_stands_out():
+    def rows(compute):
+        return [StepWait(r, s, 1.0, 1.0 - c, 0.5, c, 2) for s in (0, 1, 2) for r, c in enumerate(compute)]
+
+    assert straggler(rows([0.3, 0.3, 0.6, 0.31])) == 2
+    assert straggler([w.to_dict() for w in rows([0.3, 0.3, 0.32, 0.31])]) is None
+
+
+def test_bad_faults_are_refused_naming_the_constraint():
+    problems = fault_problems([lab.Slow(4, 2.0), lab.Slow(1, 0.5), lab.Hang(0, 3), lab.Crash(-1, 0), "kill 2"],
+                              world_size=4, steps=3)
+    text = [message for _, message in problems]
+    assert len(problems) == 5 and {rule for rule, _ in problems} == {"faults"}
+    assert "rank must be one of the pool's ranks 0..3" in text[0]
+    assert "factor must be a finite number >= 1" in text[1]
+    assert "at_step must be a step the run takes, 0..2 (steps=3)" in text[2]
+    assert "rank must be one of the pool's ranks" in text[3]
+    assert "must be lab.Slow, lab.Hang, lab.Crash or lab.Kill" in text[4]
+    assert fault_problems([lab.Slow(3, 1.0), lab.Kill(0, 2)], world_size=4, steps=3) == []
+
+
+# ------------------------------------------------------------------------ on the pool
+def experiment(cluster, **kwargs) -> lab.Experiment:
+    return lab.Experiment(cluster, lab.GPT(**MODEL), lab.Parallel(dp=4), **kwargs)
+
+
+def test_bad_fault_is_refused_before_launch(cluster):
+    with pytest.raises(lab.ParallelConfigError, match=r"at_step must be a step the run takes, 0\.\.2"):
+        experiment(cluster, steps=3, faults=[lab.Kill(1, at_step=3)])
+    with pytest.raises(lab.ParallelConfigError, match="faults.0. must be lab.Slow, lab.Hang, lab.Crash or lab.Kill"):
+        experiment(cluster, steps=3, faults=["kill rank 2"])
+    with pytest.raises(lab.ParallelConfigError, match="hang_after must be a number of seconds > 0"):
+        experiment(cluster, steps=3, hang_after=0)
+
+
+def _interrupt_once_hung(cluster, rank: int) -> None:
+    """Interrupt this process (as Ctrl-C would) a second after ``rank`` logged that its Hang struck."""
+    path = log_path(cluster.rank_map.ranks[rank].pid, cluster._dump_dir())
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = read_state(path)
+            if state is not None and any(f.startswith("Hang") for f in state.faults):
+                time.sleep(1.0)  # the others reach the gradient all-reduce
+                break
+            time.sleep(0.1)
+        _thread.interrupt_main()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["hang_after", "timeout", "interrupt"])
+def test_hang_gives_a_report_naming_the_hung_rank_and_the_collective_the_others_wait_in(cluster, how):
+    exp = experiment(cluster, steps=3, faults=[lab.Hang(2, at_step=1)],
+                     hang_after=HANG_AFTER_S if how == "hang_after" else None)
+    expected = {"hang_after": lab.HangError, "timeout": lab.RankTimeoutError, "interrupt": KeyboardInterrupt}[how]
+    if how == "interrupt":
+        _interrupt_once_hung(cluster, 2)
+    with pytest.raises(expected) as info:
+        exp.run(timeout=15.0 if how == "timeout" else None)  # setup takes seconds on loaded cores
+    report = info.value.report
+    assert report.never_arrived == (2,)
+    finding = report.findings[0]
+    assert finding.startswith("ranks 0, 1, 3 wait in all_reduce #") and "of group dp=[0,1,2,3]" in finding
+    assert "rank 2 never entered it (last seen in forward, step 1, micro-batch 0)" in finding
+    assert report.rank(2).faults == ("Hang(rank=2, at_step=1) struck at step 1",)
+    if how == "hang_after":
+        assert report.rank(2).silent_s <= HANG_AFTER_S + REPORT_SLACK_S  # taken this soon after rank 2 went quiet
+        assert info.value.rank == 2 and info.value.late == [2]
+        assert str(info.value).startswith(f"no rank made progress for {HANG_AFTER_S:g} s (hang_after): " + finding)
+    assert len(experiment(cluster, steps=1).run().losses) == 1  # the pool trains again
+
+
+@pytest.mark.slow
+def test_crash_gives_a_rank_error_naming_the_rank(cluster):
+    with pytest.raises(lab.RankError) as info:
+        experiment(cluster, steps=3, faults=[lab.Crash(1, at_step=1)]).run()
+    error = info.value
+    assert error.rank == 1 and error.failures[0].ename == "InjectedCrash"
+    assert str(error).startswith("rank 1 on host") and "lab.Crash: rank 1 raised on purpose" in str(error)
+    assert all(f.collateral for f in error.failures[1:])
+
+
+@pytest.mark.slow
+def test_kill_gives_a_dead_rank_error(cluster):
+    victim = cluster.rank_map.ranks[3].pid
+    with pytest.raises(lab.DeadRankError) as info:
+        experiment(cluster, steps=3, faults=[lab.Kill(3, at_step=1)]).run()
+    assert info.value.rank == 3 and f"pid {victim}" in str(info.value)
+    assert len(experiment(cluster, steps=1).run().losses) == 1
+
+
+def _mean_per_rank(result, field: str) -> dict[int, float]:
+    rows: dict[int, list[float]] = {}
+    for w in result.step_waits:
+        if w["step"] > 0:  # step 0 pays DDP's one-off setup
+            rows.setdefault(w["rank"], []).append(w[field])
+    return {rank: statistics.mean(v) for rank, v in sorted(rows.items())}
+
+
+@pytest.mark.slow
+def test_slow_rank_makes_the_others_wait_in_the_gradient_all_reduce_for_about_their_compute(cluster):
+    # Synthetic time: 4 ranks share 2 loaded cores, so real compute would be mostly waiting for a core.
+    t = 0.1  # each forward padded to t, each backward to 2t: compute about 3t per step
+    base = experiment(cluster, steps=4, synthetic_forward_s=t).run()
+    slow = experiment(cluster, steps=4, synthetic_forward_s=t, faults=[lab.Slow(2, 2.0)]).run()
+    assert slow.faults == [{"kind": "slow", "rank": 2, "factor": 2.0}] and base.faults == []
+    others = (0, 1, 3)
+    before, after = _mean_per_rank(base, "grad_sync_s"), _mean_per_rank(slow, "grad_sync_s")
+    compute = _mean_per_rank(slow, "compute_s")
+    growth = statistics.mean(after[r] - before[r] for r in others)
+    their_compute = statistics.mean(compute[r] for r in others)
+    assert abs(growth - their_compute) <= 0.25 * their_compute, (growth, their_compute, before, after)
+    assert straggler(slow.step_waits) == 2 and straggler(base.step_waits) is None
