@@ -35,6 +35,7 @@ _HOME = {
     "recommend": "lab.recommend",
     "CommTable": "lab.run_result", "NotRecordedError": "lab.run_result", "RunResult": "lab.run_result",
     "RankMapError": "lab.rank_map", "build_rank_map": "lab.rank_map",
+    "Training": "lab.training",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 _ALIASES = {"GPT": "GPTConfig"}
