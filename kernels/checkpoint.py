@@ -1,0 +1,242 @@
+"""Save and load training state under any layout with ``torch.distributed.checkpoint`` (DCP).
+
+Algorithm: DCP's sharded save and resharding load. ``get_state_dict`` turns the model and
+optimizer of any layout into one logical state dict keyed by the parameters' names
+(``kernels.model.GPT``'s own ``state_dict`` keys): DDP's wrapper is looked through, FSDP2
+(ZeRO-2/3, HSDP, bf16, CPU offload) and TP/SP leave DTensors whose shards DCP writes once
+each, replicated plain tensors are written by one rank (DCP's de-duplication). The
+optimizer state is flattened per parameter (``optim.state.<name>.exp_avg``), so any other
+partition of the parameters, another layout or world size, reads its own pieces: DCP's
+load plans each rank's reads from the saved chunks' offsets.
+
+- Pipeline stages: the model passed is the ``nn.ModuleList`` of this rank's stages; its
+  index prefix ("0.", "1.") is dropped from every key, which leaves the GPT's names (each
+  stage keeps the names of the blocks it holds).
+- ZeRO-1: a ``ZeroRedundancyOptimizer`` holds the AdamW state of the parameters its rank
+  owns in its local optimizer (``.optim``); that one goes through ``get_state_dict``, so
+  each dp rank writes the state of its own partition, and on load each rank reads the
+  state of the partition it owns now (another dp size partitions differently).
+- Completeness: every rank writes under ``<path>.partial``; once DCP's collective finish
+  has written the global metadata, rank 0 writes ``meta.json`` and renames the directory
+  to ``path``. A save killed before that leaves ``path`` absent (``kernels.checkpoint_files``).
+- Asynchronous save (``AsyncSaver``): ``dcp.async_save`` copies the state to CPU memory and
+  writes it from a background thread over a separate gloo group; rank 0 renames when its
+  write (which ends after everyone's) is done.
+
+Run alone (saves under DP 2, loads under TP 2, checks the weights)::
+
+    torchrun --nproc-per-node 2 -m kernels.checkpoint
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from kernels.checkpoint_files import META_NAME, PARTIAL_SUFFIX, CheckpointMissingError, check_against, tensor_shapes
+from kernels.parallel.ddp import unwrap
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeRO-1's per-rank AdamW (the state of this rank's partition), else the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _is_stages(model: nn.Module) -> bool:
+    return isinstance(model, nn.ModuleList)
+
+
+def _strip(key: str, stages: bool) -> str:
+    """A stage list's key without its index: "0.blocks.1.attn.q.weight" -> "blocks.1.attn.q.weight"."""
+    if not stages:
+        return key
+    for head in ("state.", "param_group."):  # flattened optimizer keys: <head><fqn>.<field>
+        if key.startswith(head):
+            return head + key[len(head):].split(".", 1)[1]
+    return key.split(".", 1)[1]
+
+
+def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict, dict]:
+    """(model, optimizer, key map) state dicts keyed by the GPT's names; the map leads back to the module's own keys."""
+    model = unwrap(model)
+    stages = _is_stages(model)
+    if optimizer is None:
+        model_sd, optim_sd = get_state_dict(model, [], options=_OPTIONS)
+    else:
+        model_sd, optim_sd = get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+    back = {_strip(k, stages): k for k in [*model_sd, *optim_sd]}
+    return ({_strip(k, stages): v for k, v in model_sd.items()},
+            {_strip(k, stages): v for k, v in optim_sd.items()}, back)
+
+
+def _payload(model: nn.Module, optimizer, rank: int) -> dict[str, Any]:
+    model_sd, optim_sd, _ = logical_state(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "rng": {str(rank): torch.get_rng_state()}}
+
+
+def _finalize(partial: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank's write: meta last, then the final name (replacing an older save of that step)."""
+    meta = {**meta, "saved_at": time.time()}
+    (partial / META_NAME).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=final.name + ".old-", dir=final.parent))
+        final.rename(old / final.name)
+        shutil.rmtree(old)
+    partial.rename(final)
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer, meta: dict[str, Any],
+                    process_group: dist.ProcessGroup | None = None) -> None:
+    """Save ``model`` and ``optimizer`` (any layout) and ``meta`` to the step directory ``path``; every rank calls it.
+
+    ``meta`` is plain JSON: the step, the data position, the run config, the last loss.
+    Each rank's CPU RNG state is saved beside the tensors. ``path`` exists only once the
+    save is complete (module docstring).
+    """
+    final = Path(path)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    rank = dist.get_rank(process_group)
+    dcp.save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial), process_group=process_group)
+    if rank == 0:  # dcp.save returned: its collective finish wrote .metadata after every rank's files
+        _finalize(partial, final, meta)
+    dist.barrier(group=process_group)  # nobody goes on (or loads) before the checkpoint carries its name
+
+
+class AsyncSaver:
+    """``checkpoint_async=True``: each save is staged to CPU memory now and written in the background.
+
+    One save is in flight at a time (the next waits for it); ``wait()`` finishes the last.
+    The background writes use their own gloo group, so they never interleave with the
+    training's collectives on the default group.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")  # collective: every rank builds it together
+        self.pending: Future | None = None
+
+    def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
+        """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
+        self.wait()
+        final = Path(path)
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
+                                process_group=self.group)
+        if dist.get_rank() == 0:
+            future.add_done_callback(lambda f: f.exception() is None and _finalize(partial, final, meta))
+        self.pending = future
+
+    def wait(self) -> None:
+        """Wait for the save in flight (raising its error) and for every rank to have seen it named."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        """Finish the last save and destroy the group."""
+        self.wait()
+        dist.destroy_process_group(self.group)
+
+
+def _expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.ProcessGroup | None = None
+                    ) -> dict[str, Any]:
+    """Load a complete step directory into ``model`` and ``optimizer`` of any layout; returns its meta.
+
+    Every rank calls it (without an initialized process group, one process loads the whole
+    model: the reference). Raises ``CheckpointMismatchError`` naming the first mismatched
+    keys and shapes, ``CheckpointMissingError`` naming what is missing. This rank's RNG
+    state is restored when the checkpoint holds one for its rank.
+    """
+    model_sd, optim_sd, back = logical_state(model, optimizer)
+    check_against(path, _expected_shapes(model_sd, "model"))
+    stored = tensor_shapes(path)
+    if optimizer is not None and not any(k.startswith("optim.") for k in stored):
+        raise CheckpointMissingError(f"checkpoint {path} holds no optimizer state (weights only)")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if f"rng.{rank}" in stored:
+        payload["rng"] = {str(rank): torch.get_rng_state()}
+    dcp.load(payload, checkpoint_id=path, process_group=process_group)
+    inner = unwrap(model)
+    set_state_dict(inner, [] if optimizer is None else _local_optimizer(optimizer),
+                   model_state_dict={back[k]: v for k, v in payload["model"].items()},
+                   optim_state_dict={back[k]: v for k, v in payload["optim"].items()}, options=_OPTIONS)
+    if "rng" in payload:
+        torch.set_rng_state(payload["rng"][str(rank)])
+    return json.loads((Path(path) / META_NAME).read_text())
+
+
+def load_weights(path: str, model: nn.Module) -> None:
+    """Load a safetensors file of whole weights (GPT names) into ``model`` of any layout; the optimizer stays fresh.
+
+    Each rank reads the file and keeps its own pieces: ``set_model_state_dict`` with full
+    tensors distributes each onto the parameter's DTensor placements; a pipeline stage
+    takes only the names it holds.
+    """
+    from safetensors.torch import load_file
+
+    inner = unwrap(model)
+    own, _, back = logical_state(inner, None)
+    full = load_file(path)
+    expected = {f"model.{k}": tuple(v.shape) for k, v in own.items()}
+    _check_weights(path, full, expected)
+    options = StateDictOptions(full_state_dict=True, strict=not _is_stages(inner))
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(inner, {back[k]: full[k] for k in own}, options=options)
+
+
+def _check_weights(path: str, full: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """The safetensors file's names and shapes against the model's (``check_against``'s errors)."""
+    from kernels.checkpoint_files import CheckpointMismatchError
+
+    wrong = [f"{k[6:]}: file {list(full[k[6:]].shape)}, model {list(s)}"
+             for k, s in expected.items() if k[6:] in full and tuple(full[k[6:]].shape) != s]
+    if wrong:
+        raise CheckpointMismatchError(f"weights {path} are of another model shape; first mismatched: "
+                                      + "; ".join(wrong[:3]))
+    missing = [k[6:] for k in expected if k[6:] not in full]
+    if missing:
+        raise CheckpointMissingError(f"weights {path} lack {', '.join(missing[:3])}")
+
+
+def _demo() -> None:
+    """DP 2 saves, TP 2 loads: the gathered weights must be equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels.model import GPTConfig, build_gpt
+    from kernels.parallel.fsdp import full_parameters
+    from kernels.parallel.tensor_parallel import apply_tp
+
+    dist.init_process_group("gloo")
+    cfg = GPTConfig(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
+    path = os.environ.get("CKPT", "/tmp/kernels-checkpoint-demo/step_000000")
+    saved = build_gpt(cfg)
+    save_checkpoint(path, saved, torch.optim.AdamW(saved.parameters()), {"step": 0})
+    loaded = build_gpt(GPTConfig(**{**cfg.__dict__, "seed": 1}))
+    apply_tp(loaded, init_device_mesh("cpu", (dist.get_world_size(),)))
+    load_checkpoint(path, loaded, torch.optim.AdamW(loaded.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(full_parameters(saved).values(), full_parameters(loaded).values()))
+    print(f"rank {dist.get_rank()}: weights equal after DP -> TP: {same}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _demo()
