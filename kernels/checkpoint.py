@@ -64,7 +64,7 @@ def _strip(key: str, stages: bool) -> str:
     """A stage list's key without its index: "0.blocks.1.attn.q.weight" -> "blocks.1.attn.q.weight"."""
     if not stages:
         return key
-    for head in ("state.", "param_group."):  # flattened optimizer keys: <head><fqn>.<field>
+    for head in ("state.", "param_groups."):  # flattened optimizer keys: <head><fqn>.<field>
         if key.startswith(head):
             return head + key[len(head):].split(".", 1)[1]
     return key.split(".", 1)[1]

@@ -33,6 +33,8 @@ import torch.nn as nn
 
 from kernels import runtime
 from kernels.batches import BatchStream
+from kernels.checkpoint import load_checkpoint, save_checkpoint
+from kernels.checkpoint_files import read_meta
 from kernels.data import dataset
 from kernels.measure import PipelineProbe, StepProbe, measure_record, step_probe
 from kernels.model import build_gpt, loss_fn, model_config
@@ -76,6 +78,9 @@ class LiveTraining:
         self.dp_mesh = build_hsdp_mesh(self.dims, self.device.type) if self.strategy.hybrid else None
         self.next_step, self.losses = 0, []
         self.idle = self.mesh.get_coordinate() is None  # beyond the layout's world size: holds nothing
+        # The ranks of the layout, for checkpoints (None: the whole world). Collective: every rank creates it.
+        size = self.dims.world_size
+        self.group = dist.new_group(list(range(size))) if size < dist.get_world_size() else None
         self.pipe = None
         if self.idle:
             return
@@ -160,10 +165,27 @@ class LiveTraining:
                               num_stages=self.pipe.num_stages, microbatches=self.pipe.num_microbatches,
                               micro_batch=self.run.global_batch // (self.dims.dp * self.pipe.num_microbatches))
 
+    def save(self, path: str, meta: dict[str, Any]) -> None:
+        """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint``), where the run stands."""
+        if not self.idle:
+            save_checkpoint(path, self.params_module, self.optimizer,
+                            {**meta, "step": self.next_step, "losses": self.losses, "config": self.run.to_dict(),
+                             "loss": self.losses[-1] if self.losses else None}, process_group=self.group)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
+        if self.idle:
+            return read_meta(path)
+        meta = load_checkpoint(path, self.params_module, self.optimizer, process_group=self.group)
+        self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
+        return meta
+
     def close(self) -> None:
-        """Destroy this training's mesh sub-groups and drop its objects (their reference cycles collected)."""
+        """Destroy this training's groups and drop its objects (their reference cycles collected)."""
         destroy_mesh_groups(self.mesh, self.dp_mesh)
-        for name in ("model", "params_module", "optimizer", "step_fn", "pipe", "mesh", "dp_mesh"):
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+        for name in ("model", "params_module", "optimizer", "step_fn", "pipe", "mesh", "dp_mesh", "group"):
             self.__dict__.pop(name, None)
         gc.collect()
 
@@ -195,6 +217,35 @@ def held(key: str) -> LiveTraining:
 def advance(key: str, steps: int, *, return_params: bool = False) -> dict[str, Any]:
     """Train the held training ``steps`` more steps; returns their records (``LiveTraining.advance``)."""
     return held(key).advance(steps, return_params=return_params)
+
+
+def save_training(key: str, path: str, meta: dict[str, Any] | None = None) -> int:
+    """Save the training held under ``key`` to the step directory ``path``; returns the step saved."""
+    live = held(key)
+    live.save(path, meta or {})
+    return live.next_step
+
+
+def load_training(key: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Build the layout ``cfg`` names under ``key`` and load the checkpoint ``path`` into it; returns its meta."""
+    open_training(key, cfg)
+    return held(key).load(path)
+
+
+def relayout_training(key: str, cfg: dict[str, Any], through: str) -> int:
+    """Move the training held under ``key`` to the layout ``cfg`` names, weights and optimizer state included.
+
+    The old layout writes its state to the step directory ``through`` with DCP, the new
+    one is built and reads it back, each rank its own pieces (DCP plans the reads from the
+    saved shards' offsets, so any layout or world size of the same model can load them).
+    The old layout's groups are destroyed before the new mesh is made. Returns the step.
+    """
+    live = held(key)
+    live.save(through, {})
+    step, losses = live.next_step, live.losses
+    open_training(key, cfg, next_step=step, losses=losses)
+    held(key).load(through)
+    return step
 
 
 def close_training(key: str) -> bool:

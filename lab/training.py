@@ -9,6 +9,14 @@ the model, the optimizer and the data position there between cells:
   of the call). Steps continue exactly: ``step(3)`` then ``step(3)`` computes what one
   ``Experiment(steps=6).run()`` computes, bit for bit;
 - ``losses`` is every step's loss so far;
+- ``relayout(parallel)`` moves the live weights and optimizer state to another layout
+  (and world size) on the same engines: the old layout writes them with DCP, the new one
+  reads its own pieces back (``kernels.live_training.relayout_training``); training then
+  goes on from the same step as if the layout had never changed (within the parity
+  tolerance: another layout sums in another order);
+- ``save(path)`` writes a checkpoint (``kernels.checkpoint``: any layout loads it, an
+  ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
+  builds a Training from one, under the saved layout or another;
 - ``close()`` frees the ranks' objects and groups (so does any failure that rebuilds
   the world; a later call then says the training is gone).
 
@@ -17,11 +25,16 @@ first ones); the others hold nothing.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from kernels import live_training
+from kernels.checkpoint_files import read_meta, resolve, step_dir
 from kernels.model import GPTConfig
 from kernels.run_config import RunConfig
 from lab.cluster import Cluster
@@ -49,13 +62,17 @@ class Training:
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False) -> None:
-        self.cluster = cluster
-        self._options = dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed, trace=trace,
-                             synthetic_forward_s=synthetic_forward_s, measure=measure, compile=compile)
-        self.key = f"training-{uuid.uuid4().hex[:12]}"
+        self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
+                                                   trace=trace, synthetic_forward_s=synthetic_forward_s,
+                                                   measure=measure, compile=compile))
+        self._open(self.experiment.run_config())
+
+    def _setup(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> None:
+        """The driver's side: checked (nothing reaches the ranks when a rule is broken), at step 0."""
+        self.cluster, self._options = cluster, options
+        self.key = f"training-{uuid.uuid4().hex[:12]}"  # the ranks' registry key of this training
         self.losses: list[float] = []
         self.experiment = self._experiment(model, parallel)
-        self._open(self.experiment.run_config())
 
     @property
     def model(self) -> GPTConfig:
@@ -88,6 +105,58 @@ class Training:
     def _open(self, run: RunConfig) -> None:
         self.cluster.run(live_training.open_training, self.key, run.to_dict(), next_step=self.steps_done,
                          losses=self.losses)
+
+    def relayout(self, parallel: Parallel, *, through: str | os.PathLike | None = None) -> "Training":
+        """Reshard the live model and optimizer to ``parallel`` (another layout, another world size) in place.
+
+        Checked like a new Experiment before anything moves. ``through`` is the directory the
+        state passes through (default: a temporary one in memory-backed /dev/shm where there is
+        one, removed after); a pool on several hosts needs one every host can read.
+        """
+        experiment = self._experiment(self.model, parallel)
+        hosts = getattr(self.cluster, "rank_map", None)
+        if through is None and hosts is not None and len(hosts.hosts()) > 1:
+            raise ValueError("this pool spans several hosts: pass relayout(..., through=PATH) on a filesystem "
+                             "every host shares")
+        base = Path(through) if through is not None else Path(tempfile.mkdtemp(
+            prefix="lab-relayout-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        old, self.experiment = self.experiment, experiment
+        try:
+            cfg = self._run_config(1).to_dict()
+            self._call(live_training.relayout_training, self.key, cfg, str(step_dir(base, self.steps_done)))
+        except BaseException:
+            self.experiment = old  # the ranks hold the old layout still, or nothing (the error says)
+            raise
+        finally:
+            if through is None:
+                shutil.rmtree(base, ignore_errors=True)
+        return self
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Save the live state as a checkpoint directory ``path/step_NNNNNN``; returns that directory."""
+        target = step_dir(path, self.steps_done)
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._call(live_training.save_training, self.key, str(target))
+        return target
+
+    @classmethod
+    def load(cls, cluster: Cluster, path: str | os.PathLike, *, parallel: Parallel | None = None,
+             **options: Any) -> "Training":
+        """A Training from a checkpoint (a step directory, or the latest complete one under ``path``).
+
+        ``parallel`` defaults to the saved layout; any other valid layout of the same model
+        loads it too. The model, seed, batch size and learning rate are the saved run's;
+        ``options`` are Training's measuring options (``trace``, ``measure``, ...).
+        """
+        found = resolve(path)
+        saved = RunConfig.from_dict(read_meta(found)["config"])
+        training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
+        training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
+                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed, **options))
+        meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
+                              str(found))[0]
+        training.losses = list(meta.get("losses", []))
+        return training
 
     def step(self, n: int = 1, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
         """Train ``n`` more steps on the held state; returns those steps' RunResult (losses of these steps only)."""
@@ -130,3 +199,14 @@ class Training:
     def __repr__(self) -> str:
         return (f"<Training {self.parallel.describe()} on {self.parallel.world_size} ranks, "
                 f"{self.steps_done} steps done>")
+
+
+def saved_layout(run: RunConfig) -> Parallel:
+    """The lab.Parallel a run config was made from: the fields both share, the resolved defaults left unset."""
+    names = {f.name for f in fields(Parallel)} - {"microbatches", "stages_per_rank"}
+    parallel = Parallel(**{name: getattr(run, name) for name in names})
+    if run.microbatches not in (None, parallel.num_microbatches):
+        parallel = replace(parallel, microbatches=run.microbatches)
+    if run.stages_per_rank not in (None, parallel.num_stages_per_rank):
+        parallel = replace(parallel, stages_per_rank=run.stages_per_rank)
+    return parallel
