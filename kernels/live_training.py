@@ -34,7 +34,7 @@ import torch.nn as nn
 from kernels import runtime
 from kernels.batches import BatchStream
 from kernels.checkpoint import load_checkpoint, save_checkpoint
-from kernels.checkpoint_files import read_meta
+from kernels.checkpoint_files import read_meta, step_dir
 from kernels.data import dataset
 from kernels.measure import PipelineProbe, StepProbe, measure_record, step_probe
 from kernels.model import build_gpt, loss_fn, model_config
@@ -114,21 +114,33 @@ class LiveTraining:
         """The modules whose parameters carry GPT's own names: the whole model, or this rank's stages."""
         return [] if self.idle else list(self.pipe.modules) if self.pipe else [self.params_module]
 
-    def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
-        """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``."""
+    def advance(self, steps: int, *, return_params: bool = False, checkpoint_dir: str | None = None,
+                checkpoint_every: int | None = None) -> dict[str, Any]:
+        """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.
+
+        With ``checkpoint_dir``, a checkpoint is saved after every global step that is a
+        multiple of ``checkpoint_every`` and after the last step (``step_NNNNNN`` under it).
+        Measuring acts on the last step, as in an Experiment's run.
+        """
+        first = self.next_step
         if self.idle:
-            return {"losses": [], "grad_norms": [], "step_times": [], "params": {}, "first_step": self.next_step,
+            return {"losses": [], "grad_norms": [], "step_times": [], "params": {}, "first_step": first,
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         probe, tracer = self._probes()
-        batches = BatchesFrom(self.next_step, dataset(self.run), steps=steps, global_batch=self.run.global_batch,
-                              dp_rank=dp_rank(self.mesh), dp=self.dims.dp, device=self.device)
-        losses, times, norms = train_loop(self.step_fn, self.optimizer, batches, dp=self.dims.dp,
-                                          dp_group=dp_group(self.mesh), hooks=StepHooks(steps, probe, tracer),
-                                          record_grad_norm=self.run.record_grad_norm)
-        out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": self.next_step,
+        losses, times, norms = [], [], []
+        for chunk in save_points(first, steps, checkpoint_every if checkpoint_dir else None):
+            hooks = StepHooks(chunk, probe, tracer) if len(losses) + chunk == steps else StepHooks(chunk)
+            batches = BatchesFrom(self.next_step, dataset(self.run), steps=chunk, global_batch=self.run.global_batch,
+                                  dp_rank=dp_rank(self.mesh), dp=self.dims.dp, device=self.device)
+            part = train_loop(self.step_fn, self.optimizer, batches, dp=self.dims.dp, dp_group=dp_group(self.mesh),
+                              hooks=hooks, record_grad_norm=self.run.record_grad_norm)
+            losses, times, norms = losses + part[0], times + part[1], norms + part[2]
+            self.next_step += chunk
+            self.losses += part[0]
+            if checkpoint_dir is not None:
+                self.save(str(step_dir(checkpoint_dir, self.next_step)), {})
+        out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
                **self._records(return_params)}
-        self.next_step += steps
-        self.losses += losses
         if probe is not None:
             out["measure"] = self._measure_record(out["layout"], probe, losses[-1])
         if tracer is not None:
@@ -214,9 +226,21 @@ def held(key: str) -> LiveTraining:
     return live
 
 
-def advance(key: str, steps: int, *, return_params: bool = False) -> dict[str, Any]:
-    """Train the held training ``steps`` more steps; returns their records (``LiveTraining.advance``)."""
-    return held(key).advance(steps, return_params=return_params)
+def save_points(first: int, steps: int, every: int | None) -> list[int]:
+    """The steps from ``first`` on, in runs that end at each multiple of ``every`` and at the last one."""
+    if every is None:
+        return [steps]
+    out, at, end = [], first, first + steps
+    while at < end:
+        stop = min(end, (at // every + 1) * every)
+        out.append(stop - at)
+        at = stop
+    return out
+
+
+def advance(key: str, steps: int, **options: Any) -> dict[str, Any]:
+    """Train the held training ``steps`` more steps; returns their records (``LiveTraining.advance``'s options)."""
+    return held(key).advance(steps, **options)
 
 
 def save_training(key: str, path: str, meta: dict[str, Any] | None = None) -> int:

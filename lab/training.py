@@ -14,6 +14,9 @@ the model, the optimizer and the data position there between cells:
   reads its own pieces back (``kernels.live_training.relayout_training``); training then
   goes on from the same step as if the layout had never changed (within the parity
   tolerance: another layout sums in another order);
+- ``checkpoint_dir``/``checkpoint_every=K``: ``step()`` saves after every global step that
+  is a multiple of K and after its last step, so a run a failure stops resumes from the
+  last complete save with ``Training.load``;
 - ``save(path)`` writes a checkpoint (``kernels.checkpoint``: any layout loads it, an
   ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
   builds a Training from one, under the saved layout or another;
@@ -61,7 +64,9 @@ class Training:
 
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
-                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False) -> None:
+                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None) -> None:
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_plan(checkpoint_dir, checkpoint_every)
         self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
                                                    trace=trace, synthetic_forward_s=synthetic_forward_s,
                                                    measure=measure, compile=compile))
@@ -141,16 +146,19 @@ class Training:
 
     @classmethod
     def load(cls, cluster: Cluster, path: str | os.PathLike, *, parallel: Parallel | None = None,
+             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
              **options: Any) -> "Training":
         """A Training from a checkpoint (a step directory, or the latest complete one under ``path``).
 
         ``parallel`` defaults to the saved layout; any other valid layout of the same model
         loads it too. The model, seed, batch size and learning rate are the saved run's;
-        ``options`` are Training's measuring options (``trace``, ``measure``, ...).
+        ``checkpoint_dir``/``checkpoint_every`` and ``options`` (``trace``, ``measure``, ...) are as for a
+        new Training.
         """
         found = resolve(path)
         saved = RunConfig.from_dict(read_meta(found)["config"])
         training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
+        training.checkpoint_dir, training.checkpoint_every = checkpoint_plan(checkpoint_dir, checkpoint_every)
         training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
                         dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed, **options))
         meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
@@ -163,7 +171,8 @@ class Training:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive int (steps to train), got {n!r}")
         cfg = self._run_config(n).to_dict()
-        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout)
+        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout,
+                              checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every)
         first = per_rank[0]["first_step"]
         if first != self.steps_done:
             raise LabError(f"the ranks stood at step {first}, the driver at {self.steps_done}: the training was "
@@ -199,6 +208,23 @@ class Training:
     def __repr__(self) -> str:
         return (f"<Training {self.parallel.describe()} on {self.parallel.world_size} ranks, "
                 f"{self.steps_done} steps done>")
+
+
+def checkpoint_plan(checkpoint_dir: str | os.PathLike | None, every: int | None) -> tuple[str | None, int | None]:
+    """Where ``step()`` saves and how often (default: after every call's last step); refused if it cannot write there."""
+    if checkpoint_dir is None:
+        if every is not None:
+            raise ParallelConfigError([("checkpoint", "checkpoint_every needs a checkpoint_dir to save in")])
+        return None, None
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ParallelConfigError([("checkpoint", f"checkpoint_every must be a positive int, got {every!r}")])
+    root = Path(checkpoint_dir).absolute()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise ParallelConfigError([("checkpoint", f"checkpoint_dir {root} is not writable ({existing} is not a "
+                                    "writable directory)")])
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root), every
 
 
 def saved_layout(run: RunConfig) -> Parallel:
