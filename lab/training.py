@@ -77,7 +77,7 @@ class Training:
         self.cluster, self._options = cluster, options
         self.key = f"training-{uuid.uuid4().hex[:12]}"  # the ranks' registry key of this training
         self.losses: list[float] = []
-        self.experiment = self._experiment(model, parallel)
+        self.experiment = self._experiment(model, parallel, options)
 
     @property
     def model(self) -> GPTConfig:
@@ -92,7 +92,7 @@ class Training:
         """Optimizer steps taken so far: the next ``step()`` trains global step ``steps_done`` first."""
         return len(self.losses)
 
-    def _experiment(self, model: GPTConfig, parallel: Parallel) -> Experiment:
+    def _experiment(self, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> Experiment:
         """The Experiment whose checks and run config this layout gets; refused before anything reaches the ranks."""
         pool_size = self.cluster.world_size
         size = parallel.world_size if isinstance(parallel, Parallel) else pool_size
@@ -100,7 +100,7 @@ class Training:
             raise ParallelConfigError([("world-size", f"dp*tp*pp = {size} is more than the pool's "
                                         f"{pool_size} ranks")])
         return Experiment(_RanksOfLayout(self.cluster, size) if size < pool_size else self.cluster, model, parallel,
-                          steps=1, **self._options)
+                          steps=1, **options)
 
     def _run_config(self, steps: int) -> RunConfig:
         run = self.experiment.run_config()
@@ -111,26 +111,32 @@ class Training:
         self.cluster.run(live_training.open_training, self.key, run.to_dict(), next_step=self.steps_done,
                          losses=self.losses)
 
-    def relayout(self, parallel: Parallel, *, through: str | os.PathLike | None = None) -> "Training":
+    def relayout(self, parallel: Parallel, *, through: str | os.PathLike | None = None, **options: Any) -> "Training":
         """Reshard the live model and optimizer to ``parallel`` (another layout, another world size) in place.
 
-        Checked like a new Experiment before anything moves. ``through`` is the directory the
+        Checked like a new Experiment before anything moves; ``options`` change the measuring
+        options (``trace``, ``synthetic_forward_s``, ``measure``) from here on. ``through`` is the directory the
         state passes through (default: a temporary one in memory-backed /dev/shm where there is
         one, removed after); a pool on several hosts needs one every host can read.
         """
-        experiment = self._experiment(self.model, parallel)
+        unknown = set(options) - {"trace", "synthetic_forward_s", "measure"}
+        if unknown:
+            raise TypeError(f"relayout() changes only the measuring options, not {', '.join(sorted(unknown))}")
+        new_options = {**self._options, **options}
+        experiment = self._experiment(self.model, parallel, new_options)
         hosts = getattr(self.cluster, "rank_map", None)
         if through is None and hosts is not None and len(hosts.hosts()) > 1:
             raise ValueError("this pool spans several hosts: pass relayout(..., through=PATH) on a filesystem "
                              "every host shares")
         base = Path(through) if through is not None else Path(tempfile.mkdtemp(
             prefix="lab-relayout-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-        old, self.experiment = self.experiment, experiment
+        old = self.experiment, self._options
+        self.experiment, self._options = experiment, new_options
         try:
             cfg = self._run_config(1).to_dict()
             self._call(live_training.relayout_training, self.key, cfg, str(step_dir(base, self.steps_done)))
         except BaseException:
-            self.experiment = old  # the ranks hold the old layout still, or nothing (the error says)
+            self.experiment, self._options = old  # the ranks hold the old layout still, or nothing (the error says)
             raise
         finally:
             if through is None:
