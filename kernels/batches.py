@@ -24,14 +24,15 @@ from kernels.data import SyntheticTokens, shard_batch
 
 
 class BatchStream:
-    """(inputs, targets) of this dp rank's share for steps 0..steps-1, each (B/dp, T) on ``device``.
+    """(inputs, targets) of this dp rank's share for steps first_step..steps-1, each (B/dp, T) on ``device``.
 
     ``ahead`` batches are built in a background thread (default: 2 on CUDA, 0 on the CPU).
+    ``first_step`` > 0 resumes the data where a checkpoint left it.
     """
 
     def __init__(self, data: SyntheticTokens, *, steps: int, global_batch: int, dp_rank: int, dp: int,
-                 device: torch.device, ahead: int | None = None) -> None:
-        self.data, self.steps, self.global_batch = data, steps, global_batch
+                 device: torch.device, ahead: int | None = None, first_step: int = 0) -> None:
+        self.data, self.steps, self.global_batch, self.first_step = data, steps, global_batch, first_step
         self.dp_rank, self.dp, self.device = dp_rank, dp, device
         self.ahead = (2 if device.type == "cuda" else 0) if ahead is None else ahead
         self._pin = device.type == "cuda" and torch.cuda.is_available()
@@ -44,12 +45,13 @@ class BatchStream:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.ahead == 0:
-            for step in range(self.steps):
+            for step in range(self.first_step, self.steps):
                 yield tuple(t.to(self.device) for t in self._build(step))
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") as pool:
-            queued: list[Future] = [pool.submit(self._build, s) for s in range(min(self.ahead, self.steps))]
-            for step in range(self.steps):
+            queued: list[Future] = [pool.submit(self._build, s)
+                                    for s in range(self.first_step, min(self.first_step + self.ahead, self.steps))]
+            for step in range(self.first_step, self.steps):
                 inputs, targets = queued.pop(0).result()
                 if step + self.ahead < self.steps:
                     queued.append(pool.submit(self._build, step + self.ahead))

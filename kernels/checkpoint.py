@@ -34,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if f"rng.{rank}" in stored:
         payload["rng"] = {str(rank): torch.get_rng_state()}
-    dcp.load(payload, checkpoint_id=path, process_group=process_group)
+    with warnings.catch_warnings():  # one process (the reference) loading the whole model is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(payload, checkpoint_id=path, process_group=process_group)
     inner = unwrap(model)
     set_state_dict(inner, [] if optimizer is None else _local_optimizer(optimizer),
                    model_state_dict={back[k]: v for k, v in payload["model"].items()},

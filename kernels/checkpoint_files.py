@@ -10,7 +10,7 @@ which nothing here lists or loads.
 
 Keys are the flattened DCP keys: ``model.<GPT parameter name>`` (the names of
 ``kernels.model.GPT.state_dict()``, under every layout), ``optim.state.<name>.<exp_avg|
-exp_avg_sq|step>`` and ``optim.param_group.<name>.<lr|...>`` (one entry per parameter, so
+exp_avg_sq|step>`` and ``optim.param_groups.<name>.<lr|...>`` (one entry per parameter, so
 any partition of the parameters over ranks can load them), ``rng.<rank>``.
 
 Run alone (lists the complete checkpoints under a directory)::

@@ -149,6 +149,19 @@ def measuring_problems(pp: Any, trace: Any, synthetic_forward_s: Any) -> list[Pr
     return out
 
 
+def checkpoint_problems(checkpoint_dir: Any, every: Any, resume_from: Any, checkpoint_async: Any) -> list[Problem]:
+    """[checkpoint]: paths are non-empty strings; checkpoint_every is a positive int, and it and async need a directory."""
+    out = [("checkpoint", f"{name} must be None or a non-empty path string, got {value!r}")
+           for name, value in (("checkpoint_dir", checkpoint_dir), ("resume_from", resume_from))
+           if value is not None and not (isinstance(value, str) and value)]
+    if every is not None and not (is_int(every) and every >= 1):
+        out.append(("checkpoint", f"checkpoint_every must be None or an int >= 1, got {every!r}"))
+    for name, value in (("checkpoint_every", every), ("checkpoint_async", checkpoint_async)):
+        if value not in (None, False) and checkpoint_dir is None:
+            out.append(("checkpoint", f"{name}={value!r} needs checkpoint_dir: the directory to save into"))
+    return out
+
+
 if __name__ == "__main__":
     for problems in (size_problems({"dp": 2.0, "tp": True, "pp": None}), flag_problems({"sequence_parallel": "yes"}),
                      adamw_problems(float("nan")), seed_problems({"seed": 1.5}), data_problems(2)):

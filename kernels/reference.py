@@ -37,10 +37,13 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     ``{"losses": [float], "grad_norms": [float], "params": {name: fp32 tensor}}``.
 
     ``run.microbatches`` > 1 accumulates gradients as the layouts do (it does not
-    change the maths, only the summation order).
+    change the maths, only the summation order). ``run.resume_from`` starts from a
+    checkpoint any layout saved (or a safetensors file), at its step: the one process
+    reads the whole model and optimizer state.
     """
     model = build_gpt(model_config(run))
     optimizer = torch.optim.AdamW(model.parameters(), **run.adamw_kwargs())
+    first = resume_point(run, model, optimizer)
     data = dataset(run)
     autocast = run_strategy(run)[1].autocast
     if autocast:
@@ -48,7 +51,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     fsdp_bf16 = run.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
     n_micro = (run.microbatches or 1) if run.pp == 1 else 1
     losses, norms = [], []
-    for step in range(run.steps):
+    for step in range(first, run.steps):
         inputs, targets = data.global_batch(step, run.global_batch)  # (B, T) each
         compute = _bf16_copy(model) if fsdp_bf16 else model
         total = 0.0
@@ -64,7 +67,20 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "params": params, "first_step": first}
+
+
+def resume_point(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load ``run.resume_from`` into the one-process model and optimizer; returns the step to start at (0 without)."""
+    if not run.resume_from:
+        return 0
+    from kernels.checkpoint import load_checkpoint, load_weights  # DCP only when resuming
+    from kernels.checkpoint_files import WEIGHTS_SUFFIX, resolve
+
+    if run.resume_from.endswith(WEIGHTS_SUFFIX):
+        load_weights(run.resume_from, model)
+        return 0
+    return int(load_checkpoint(str(resolve(run.resume_from)), model, optimizer)["step"])
 
 
 def _bf16_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -23,7 +23,7 @@ from kernels.records import Record
 
 # The switches: each must be True or False.
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload", "compile", "return_params",
-         "record_grad_norm", "measure", "trace")
+         "record_grad_norm", "measure", "trace", "checkpoint_async")
 
 @dataclass(frozen=True)
 class RunConfig(Record):
@@ -64,6 +64,11 @@ class RunConfig(Record):
     synthetic_forward_s: float | None = None
     ranks_per_host: tuple[int, ...] | None = None
     align_rounds: int = 4
+    # checkpoints (kernels.run_checkpoints): save every checkpoint_every steps and after the last
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume_from: str | None = None  # a step directory, a checkpoint directory (its latest) or a .safetensors file
+    checkpoint_async: bool = False
 
     def __post_init__(self) -> None:
         problems = run_problems(self)
@@ -107,6 +112,7 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
     out += rules.seed_problems({"seed": c.seed}, {"data_seed": c.data_seed})
     out += rules.adamw_problems(c.lr, c.betas, c.eps, c.weight_decay)
     out += rules.measuring_problems(c.pp, c.trace, c.synthetic_forward_s)
+    out += rules.checkpoint_problems(c.checkpoint_dir, c.checkpoint_every, c.resume_from, c.checkpoint_async)
     hosts = c.ranks_per_host
     if hosts is not None and not (isinstance(hosts, (tuple, list)) and hosts):
         out.append(("positive-sizes", f"ranks_per_host must be None or a list of positive ints, got {hosts!r}"))

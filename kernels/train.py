@@ -47,6 +47,7 @@ from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.reference import train_reference
+from kernels.run_checkpoints import RunCheckpoints
 from kernels.run_config import RunConfig
 from kernels.step_hooks import PipelineTracer, StepHooks
 from kernels.train_loop import FlatStep, PipelineStep, train_loop
@@ -72,9 +73,12 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
     model = parallelize(build_gpt(model_config(run), device=device), strategy, mesh, dp_mesh)
     inner = unwrap(model)
     optimizer = _optimizer(inner, strategy, mesh, run, device)
+    ckpt = RunCheckpoints(run, inner, optimizer, strategy)
+    first = ckpt.resume()
     probe = step_probe(model, optimizer, device) if run.measure else None
     step_fn = FlatStep(model, strategy.microbatches, strategy.loss_parallel, device)
-    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps, probe), device)
+    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps - first, probe), device,
+                                 ckpt)
     rank = dist.get_rank()
     layout = {"rank": rank, "coords": dims.coords(rank), "strategy": strategy.kind, "zero": strategy.zero,
               "hybrid": strategy.hybrid, "params": describe_params(inner)}
@@ -82,7 +86,8 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
         layout["optimizer_params"] = owned_parameters(optimizer, inner)
     # full_parameters is collective for DTensors: every rank gathers, or none does.
     params = {k: v.tolist() for k, v in full_parameters(inner).items()} if run.return_params else {}
-    out = {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params}
+    out = {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params,
+           "first_step": first}
     if probe is not None:  # the measured record beside the layout it measured
         out["measure"] = measure_record(layout, dims, device, probe, loss=losses[-1],
                                         microbatches=strategy.microbatches)
@@ -97,12 +102,15 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
                                       loss_fn, model_transform=transform)
     stack = nn.ModuleList(runtime.modules)  # this rank's stages as one module, for the optimizer and norms
     optimizer = _optimizer(stack, strategy, mesh, run, device)
+    ckpt = RunCheckpoints(run, stack, optimizer, strategy)
+    first = ckpt.resume()
     probe = PipelineProbe(stack, optimizer, device, runtime.stages) if run.measure else None
     tracer = PipelineTracer(run, runtime, device) if run.trace else None
     by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
     step_fn = PipelineStep(runtime, stack, dp_group(mesh) if by_hand else None, pp_group(mesh), device)
-    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps, probe, tracer), device)
-    out = {"losses": losses, "grad_norms": norms, "step_times": times,
+    losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps - first, probe, tracer),
+                                 device, ckpt)
+    out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
            **_pipeline_records(run, dims, runtime, strategy, optimizer)}
     if probe is not None:  # kernels.measure's record: the dp strategy, the schedule's sizes
         out["measure"] = measure_record(out["layout"], dims, device, probe, strategy=strategy.kind, loss=losses[-1],
@@ -113,11 +121,14 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
     return out
 
 
-def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: StepHooks, device: torch.device):
+def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: StepHooks, device: torch.device,
+          ckpt: RunCheckpoints):
     batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=dp_rank(mesh),
-                          dp=dims.dp, device=device)
-    return train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
-                      record_grad_norm=run.record_grad_norm)
+                          dp=dims.dp, device=device, first_step=ckpt.first_step)
+    out = train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
+                     record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step)
+    ckpt.close()  # an asynchronous save still in flight is named before the run returns
+    return out
 
 
 def _pipeline_records(run: RunConfig, dims: ParallelDims, runtime, strategy: Strategy, optimizer) -> dict[str, Any]:

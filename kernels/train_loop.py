@@ -28,6 +28,7 @@ Run alone (through the rank function that builds the layout)::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -101,8 +102,12 @@ class PipelineStep:
 
 def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream, *, dp: int,
                dp_group: dist.ProcessGroup, hooks: StepHooks,
-               record_grad_norm: bool = True) -> tuple[list[float], list[float], list[float]]:
-    """Run one optimizer step per batch of ``batches``; returns (global mean losses, step seconds, grad norms)."""
+               record_grad_norm: bool = True, on_step: Callable[[int, torch.Tensor], None] | None = None,
+               ) -> tuple[list[float], list[float], list[float]]:
+    """Run one optimizer step per batch of ``batches``; returns (global mean losses, step seconds, grad norms).
+
+    ``on_step(step, loss)`` runs after each step, outside its clock (checkpoints).
+    """
     losses, norms, clock = [], [], StepClock(batches.device)
     for step, (inputs, targets) in enumerate(batches):  # (B/dp, T) each
         hooks.begin(step)  # tracing: clocks aligned, ranks met
@@ -120,6 +125,8 @@ def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream
         replica_loss = step_fn.replica_loss(loss).double()
         dist.all_reduce(replica_loss, group=dp_group)
         losses.append(replica_loss / dp)
+        if on_step is not None:
+            on_step(step, losses[-1])
     return (torch.stack(losses).tolist() if losses else [], clock.seconds(),
             torch.stack(norms).tolist() if norms else [])
 

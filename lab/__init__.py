@@ -35,6 +35,9 @@ _HOME = {
     "recommend": "lab.recommend",
     "CommTable": "lab.run_result", "NotRecordedError": "lab.run_result", "RunResult": "lab.run_result",
     "RankMapError": "lab.rank_map", "build_rank_map": "lab.rank_map",
+    "Checkpoint": "lab.checkpointing", "checkpoints": "lab.checkpointing", "export": "lab.checkpointing",
+    "CheckpointError": "kernels.checkpoint_files", "CheckpointMismatchError": "kernels.checkpoint_files",
+    "CheckpointMissingError": "kernels.checkpoint_files",
     "Training": "lab.training",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import warnings
 from typing import Any
@@ -38,6 +39,7 @@ from kernels.model import GPTConfig
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
+from lab.checkpointing import check_resume, directory_problems, resume_path
 from lab.cluster import Cluster
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
@@ -59,11 +61,16 @@ class Experiment:
 
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
-                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False) -> None:
+                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
+                 checkpoint_async: bool = False) -> None:
         self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
-        self.compile = compile
+        self.compile, self.optimizer = compile, optimizer
+        # checkpoints (lab.checkpointing): paths made absolute, as the ranks' working directory may differ
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
+        self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
         problems = self._problems(optimizer)
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
@@ -85,6 +92,7 @@ class Experiment:
             self.run_config()
         except ConfigError as error:
             out += error.problems
+        out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
@@ -100,34 +108,48 @@ class Experiment:
             loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
             mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, compile=self.compile,
             return_params=return_params, trace=self.trace, synthetic_forward_s=self.synthetic_forward_s,
-            ranks_per_host=ranks_per_host, measure=self.measure)
+            ranks_per_host=ranks_per_host, measure=self.measure, checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every=self.checkpoint_every, checkpoint_async=self.checkpoint_async,
+            resume_from=None if self.resume_from is None else os.fspath(self.resume_from))
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
         return self.run_config(return_params=return_params).to_dict()
 
     def run(self, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
-        """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure."""
-        cfg = self.config(return_params=return_params)
+        """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure.
+
+        With ``resume_from``, the checkpoint is checked here (complete, the model's shapes,
+        steps left to run) and training goes on from its step up to ``steps`` in total.
+        """
+        cfg = self._resumed(self.config(return_params=return_params))
         per_rank = self.cluster.run(train_rank, cfg, timeout=timeout)
         found = measurements(per_rank, cfg)
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
             step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
             warnings=list(self.warnings) + found.pop("warnings"),
-            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {}, **found)
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
+            first_step=per_rank[0].get("first_step", 0), **found)
 
     def reference(self, *, return_params: bool = False) -> RunResult:
         """The same training in this process: same init, same global batch per step, same AdamW."""
-        run = self.run_config(return_params=return_params)
-        cfg = run.to_dict()
+        cfg = self._resumed(self.config(return_params=return_params))
         began = time.perf_counter()
-        out = train_reference(run)
-        per_step = (time.perf_counter() - began) / self.steps
+        out = train_reference(RunConfig.from_dict(cfg))
+        per_step = (time.perf_counter() - began) / max(1, len(out["losses"]))
         params = {0: {k: v.tolist() for k, v in out["params"].items()}} if return_params else {}
         return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),
-                         step_times=[[per_step] * self.steps], layout=[{"rank": 0, "strategy": "reference"}],
-                         params=params)
+                         step_times=[[per_step] * len(out["losses"])], layout=[{"rank": 0, "strategy": "reference"}],
+                         params=params, first_step=out["first_step"])
+
+    def _resumed(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``cfg`` with ``resume_from`` resolved to the path the ranks load, checked before anything launches."""
+        if self.resume_from is None:
+            return cfg
+        path = resume_path(self.resume_from)
+        check_resume(path, self.model, self.steps)
+        return {**cfg, "resume_from": path}
 
 
 def _ranks_per_host(cluster: Any) -> list[int] | None:

@@ -55,6 +55,9 @@ RULES = {
     "optimizer": "the optimizer must be one of lab.experiment.OPTIMIZERS",
     "argument-types": "an Experiment's model is a lab.GPT and its parallel a lab.Parallel",
     "model-seed": "the Experiment's seed fixes the weights: lab.GPT's seed must be left at 0 or equal it",
+    "checkpoint": "checkpoint_dir and resume_from are path strings, checkpoint_every an int >= 1; checkpoint_every "
+                  "and checkpoint_async need checkpoint_dir; a resume needs steps beyond the checkpoint's step",
+    "checkpoint-dir": "checkpoint_dir must be a directory this process can create and write into",
     # The layout, and the layout against the model and the world.
     "world-size": "dp * tp * pp must equal the world size",
     "tp-heads": "the number of heads must be divisible by tp",

@@ -46,6 +46,12 @@ class RunResult:
     # (named *_records: ``memory()`` and ``comm()`` are the views)
     memory_records: list[dict[str, Any]] = field(default_factory=list)  # MemoryRecord dicts
     comm_records: list[dict[str, Any]] = field(default_factory=list)  # CommRecord dicts
+    first_step: int = 0  # steps done before this run (resumed from a checkpoint at that step)
+
+    @property
+    def steps_ran(self) -> list[int]:
+        """The steps this run trained, counted from 1 over the whole training: [4, 5, 6] after a resume at 3."""
+        return list(range(self.first_step + 1, self.first_step + len(self.losses) + 1))
 
     @property
     def world_size(self) -> int:
