@@ -6,9 +6,10 @@ Here the same build (``kernels.parallel.parallelize`` on a ``(pp, dp, tp)`` mesh
 driver chose, so a later call continues where the last one stopped:
 
 - ``open_training(key, cfg)`` builds the layout ``cfg`` (a ``RunConfig`` dict) names;
-- ``advance(key, steps, ...)`` runs ``kernels.train_loop.train_loop`` over the next
-  ``steps`` global batches (batch ``s`` of the data stream is step ``s`` of the run,
-  whoever trains it), so two calls of 3 steps are the same computation as one run of 6;
+- ``advance(key, steps)`` runs ``kernels.train_loop.train_loop`` over the next ``steps``
+  global batches (batch ``s`` of the data stream is step ``s`` of the run, whoever trains
+  it), so two calls of 3 steps are the same computation as one run of 6; with the run's
+  ``checkpoint_dir`` it saves as ``train_rank`` does (``kernels.checkpoint``);
 - ``close_training(key)`` destroys the mesh's groups and frees the objects.
 
 A held training lives inside one world: every mesh sub-group it holds belongs to the
@@ -54,17 +55,6 @@ from kernels.train_loop import FlatStep, PipelineStep, train_loop
 
 class TrainingGoneError(RuntimeError):
     """The key names no training on this rank (never opened, closed, or closed with the world it lived in)."""
-
-
-class BatchesFrom(BatchStream):
-    """``steps`` batches of the run's stream starting at global step ``first``: the data position of a resumed run."""
-
-    def __init__(self, first: int, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.first = first
-
-    def _build(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return super()._build(self.first + step)
 
 
 class LiveTraining:
@@ -114,12 +104,11 @@ class LiveTraining:
         """The modules whose parameters carry GPT's own names: the whole model, or this rank's stages."""
         return [] if self.idle else list(self.pipe.modules) if self.pipe else [self.params_module]
 
-    def advance(self, steps: int, *, return_params: bool = False, checkpoint_dir: str | None = None,
-                checkpoint_every: int | None = None) -> dict[str, Any]:
+    def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
         """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.
 
-        With ``checkpoint_dir``, a checkpoint is saved after every global step that is a
-        multiple of ``checkpoint_every`` and after the last step (``step_NNNNNN`` under it).
+        With the run's ``checkpoint_dir``, a checkpoint is saved after every global step that is
+        a multiple of ``checkpoint_every`` and after the last step (``step_NNNNNN`` under it).
         Measuring acts on the last step, as in an Experiment's run.
         """
         first = self.next_step
@@ -128,10 +117,12 @@ class LiveTraining:
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         probe, tracer = self._probes()
         losses, times, norms = [], [], []
-        for chunk in save_points(first, steps, checkpoint_every if checkpoint_dir else None):
+        checkpoint_dir = self.run.checkpoint_dir
+        for chunk in save_points(first, steps, self.run.checkpoint_every if checkpoint_dir else None):
             hooks = StepHooks(chunk, probe, tracer) if len(losses) + chunk == steps else StepHooks(chunk)
-            batches = BatchesFrom(self.next_step, dataset(self.run), steps=chunk, global_batch=self.run.global_batch,
-                                  dp_rank=dp_rank(self.mesh), dp=self.dims.dp, device=self.device)
+            batches = BatchStream(dataset(self.run), steps=self.next_step + chunk, first_step=self.next_step,
+                                  global_batch=self.run.global_batch, dp_rank=dp_rank(self.mesh), dp=self.dims.dp,
+                                  device=self.device)
             part = train_loop(self.step_fn, self.optimizer, batches, dp=self.dims.dp, dp_group=dp_group(self.mesh),
                               hooks=hooks, record_grad_norm=self.run.record_grad_norm)
             losses, times, norms = losses + part[0], times + part[1], norms + part[2]
@@ -180,9 +171,13 @@ class LiveTraining:
     def save(self, path: str, meta: dict[str, Any]) -> None:
         """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint``), where the run stands."""
         if not self.idle:
+            strategy = self.strategy  # the meta of kernels.run_checkpoints, and every loss so far
+            layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
+                      "schedule": strategy.schedule, "describe": strategy.describe()}
             save_checkpoint(path, self.params_module, self.optimizer,
-                            {**meta, "step": self.next_step, "losses": self.losses, "config": self.run.to_dict(),
-                             "loss": self.losses[-1] if self.losses else None}, process_group=self.group)
+                            {**meta, "step": self.next_step, "data_step": self.next_step, "losses": self.losses,
+                             "loss": self.losses[-1] if self.losses else None, "config": self.run.to_dict(),
+                             "world_size": self.dims.world_size, "layout": layout}, process_group=self.group)
 
     def load(self, path: str) -> dict[str, Any]:
         """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
@@ -238,9 +233,9 @@ def save_points(first: int, steps: int, every: int | None) -> list[int]:
     return out
 
 
-def advance(key: str, steps: int, **options: Any) -> dict[str, Any]:
-    """Train the held training ``steps`` more steps; returns their records (``LiveTraining.advance``'s options)."""
-    return held(key).advance(steps, **options)
+def advance(key: str, steps: int, *, return_params: bool = False) -> dict[str, Any]:
+    """Train the held training ``steps`` more steps; returns their records (``LiveTraining.advance``)."""
+    return held(key).advance(steps, return_params=return_params)
 
 
 def save_training(key: str, path: str, meta: dict[str, Any] | None = None) -> int:

@@ -66,10 +66,11 @@ class Training:
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None) -> None:
-        self.checkpoint_dir, self.checkpoint_every = checkpoint_plan(checkpoint_dir, checkpoint_every)
         self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
                                                    trace=trace, synthetic_forward_s=synthetic_forward_s,
-                                                   measure=measure, compile=compile))
+                                                   measure=measure, compile=compile,
+                                                   checkpoint_dir=_absolute(checkpoint_dir),
+                                                   checkpoint_every=checkpoint_every))
         self._open(self.experiment.run_config())
 
     def _setup(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> None:
@@ -164,9 +165,9 @@ class Training:
         found = resolve(path)
         saved = RunConfig.from_dict(read_meta(found)["config"])
         training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
-        training.checkpoint_dir, training.checkpoint_every = checkpoint_plan(checkpoint_dir, checkpoint_every)
         training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
-                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed, **options))
+                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed,
+                             checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every, **options))
         meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
                               str(found))[0]
         training.losses = list(meta.get("losses", []))
@@ -177,8 +178,7 @@ class Training:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive int (steps to train), got {n!r}")
         cfg = self._run_config(n).to_dict()
-        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout,
-                              checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every)
+        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout)
         first = per_rank[0]["first_step"]
         if first != self.steps_done:
             raise LabError(f"the ranks stood at step {first}, the driver at {self.steps_done}: the training was "
@@ -189,7 +189,8 @@ class Training:
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0]["grad_norms"]),
             step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
             warnings=list(self.experiment.warnings) + found.pop("warnings"),
-            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {}, **found)
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
+            first_step=first, **found)
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         try:
@@ -216,21 +217,9 @@ class Training:
                 f"{self.steps_done} steps done>")
 
 
-def checkpoint_plan(checkpoint_dir: str | os.PathLike | None, every: int | None) -> tuple[str | None, int | None]:
-    """Where ``step()`` saves and how often (default: after every call's last step); refused if it cannot write there."""
-    if checkpoint_dir is None:
-        if every is not None:
-            raise ParallelConfigError([("checkpoint", "checkpoint_every needs a checkpoint_dir to save in")])
-        return None, None
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ParallelConfigError([("checkpoint", f"checkpoint_every must be a positive int, got {every!r}")])
-    root = Path(checkpoint_dir).absolute()
-    existing = next(p for p in (root, *root.parents) if p.exists())
-    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
-        raise ParallelConfigError([("checkpoint", f"checkpoint_dir {root} is not writable ({existing} is not a "
-                                    "writable directory)")])
-    root.mkdir(parents=True, exist_ok=True)
-    return str(root), every
+def _absolute(path: str | os.PathLike | None) -> str | None:
+    # The ranks' working directory may differ from the notebook's.
+    return None if path is None else os.path.abspath(os.fspath(path))
 
 
 def saved_layout(run: RunConfig) -> Parallel:
