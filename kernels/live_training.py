@@ -112,7 +112,8 @@ class LiveTraining:
         Measuring acts on the last step, as in an Experiment's run.
         """
         first = self.next_step
-        if self.idle:
+        if self.idle:  # keeps count, so that it stands at the right step if a later layout gives it a part
+            self.next_step += steps
             return {"losses": [], "grad_norms": [], "step_times": [], "params": {}, "first_step": first,
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         probe, tracer = self._probes()
@@ -182,7 +183,9 @@ class LiveTraining:
     def load(self, path: str) -> dict[str, Any]:
         """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
         if self.idle:
-            return read_meta(path)
+            meta = read_meta(path)
+            self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
+            return meta
         meta = load_checkpoint(path, self.params_module, self.optimizer, process_group=self.group)
         self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
         return meta
