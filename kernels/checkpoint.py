@@ -89,9 +89,9 @@ def _payload(model: nn.Module, optimizer, rank: int) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd, "rng": {str(rank): torch.get_rng_state()}}
 
 
-def _finalize(partial: Path, final: Path, meta: dict[str, Any]) -> None:
+def _finalize(partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
     """Rank 0, after every rank's write: meta last, then the final name (replacing an older save of that step)."""
-    meta = {**meta, "saved_at": time.time()}
+    meta = {**meta, "saved_at": time.time(), "save_seconds": time.perf_counter() - began}
     (partial / META_NAME).write_text(json.dumps(meta, indent=1, sort_keys=True))
     if final.exists():
         old = Path(tempfile.mkdtemp(prefix=final.name + ".old-", dir=final.parent))
@@ -110,10 +110,10 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, meta: dict[str, Any]
     """
     final = Path(path)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    rank = dist.get_rank(process_group)
+    rank, began = dist.get_rank(process_group), time.perf_counter()
     dcp.save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial), process_group=process_group)
     if rank == 0:  # dcp.save returned: its collective finish wrote .metadata after every rank's files
-        _finalize(partial, final, meta)
+        _finalize(partial, final, meta, began)
     dist.barrier(group=process_group)  # nobody goes on (or loads) before the checkpoint carries its name
 
 
@@ -128,24 +128,36 @@ class AsyncSaver:
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")  # collective: every rank builds it together
         self.pending: Future | None = None
+        self.failed: OSError | None = None
 
     def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
         """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
         self.wait()
-        final = Path(path)
+        final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
                                 process_group=self.group)
+        meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
         if dist.get_rank() == 0:
-            future.add_done_callback(lambda f: f.exception() is None and _finalize(partial, final, meta))
+            future.add_done_callback(lambda f: self._finalize(f, partial, final, meta, began))
         self.pending = future
 
+    def _finalize(self, future: Future, partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
+        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; keep an error for ``wait``."""
+        try:
+            if future.exception() is None:
+                _finalize(partial, final, meta, began)
+        except OSError as error:
+            self.failed = error
+
     def wait(self) -> None:
-        """Wait for the save in flight (raising its error) and for every rank to have seen it named."""
+        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to have seen it named."""
         if self.pending is not None:
             self.pending.result()
             self.pending = None
             dist.barrier(group=self.group)
+        if self.failed is not None:
+            raise self.failed
 
     def close(self) -> None:
         """Finish the last save and destroy the group."""

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kernels.batches import BatchStream
 
 from kernels.checkpoint import AsyncSaver, load_checkpoint, load_weights, save_checkpoint
 from kernels.checkpoint_files import WEIGHTS_SUFFIX, resolve, step_dir
 from kernels.parallel.strategy import Strategy
 from kernels.run_config import RunConfig
+from kernels.step_hooks import StepHooks
 
 
 class RunCheckpoints:
@@ -34,20 +39,24 @@ class RunCheckpoints:
         self.run, self.model, self.optimizer = run, model, optimizer
         self.layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
                        "schedule": strategy.schedule, "describe": strategy.describe()}
-        self.first_step = 0
+        self.first_step, self.load_seconds = 0, 0.0
         self.saver = AsyncSaver() if run.checkpoint_dir and run.checkpoint_async else None
 
     def resume(self) -> int:
         """Load ``resume_from`` (a step directory, a checkpoint directory's latest, or a safetensors file); returns the step to start at."""
-        source = self.run.resume_from
+        source, began = self.run.resume_from, time.perf_counter()
         if not source:
             return 0
         if str(source).endswith(WEIGHTS_SUFFIX):  # weights only: the optimizer starts fresh, from step 0
             load_weights(source, self.model)
-            return 0
-        meta = load_checkpoint(str(resolve(source)), self.model, self.optimizer)
-        self.first_step = int(meta["step"])
+        else:
+            self.first_step = int(load_checkpoint(str(resolve(source)), self.model, self.optimizer)["step"])
+        self.load_seconds = time.perf_counter() - began
         return self.first_step
+
+    def record(self) -> dict[str, Any]:
+        """The rank record's part: the step this run started at and how long its load took."""
+        return {"first_step": self.first_step, "load_seconds": self.load_seconds}
 
     def after_step(self, step: int, loss: torch.Tensor) -> None:
         """After local step ``step`` (0-based, counted from the resume point): save when one is due."""
@@ -68,6 +77,25 @@ class RunCheckpoints:
         if self.saver is not None:
             self.saver.close()
             self.saver = None
+
+
+def settle_ddp_buckets(step_fn, batches: BatchStream, optimizer) -> None:
+    """A resumed DDP model runs one forward and backward on its next batch, then drops the gradients.
+
+    DDP rebuilds its gradient buckets after its first backward, in the order the gradients
+    became ready; the all-reduce's float sums depend on where each gradient sits in a
+    bucket (gloo cuts a buffer into chunks by size). The uninterrupted run reduced its later
+    steps in rebuilt buckets, so without this the resumed first step would not be bit for
+    bit the same. The step changes nothing else: no optimizer step, gradients set to None
+    as after every step.
+    """
+    if not isinstance(getattr(step_fn, "model", None), DistributedDataParallel):
+        return
+    stream = iter(batches)
+    inputs, targets = next(stream)
+    stream.close()
+    step_fn(inputs, targets, StepHooks(1))
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _demo() -> None:

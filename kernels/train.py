@@ -47,7 +47,7 @@ from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.reference import train_reference
-from kernels.run_checkpoints import RunCheckpoints
+from kernels.run_checkpoints import RunCheckpoints, settle_ddp_buckets
 from kernels.run_config import RunConfig
 from kernels.step_hooks import PipelineTracer, StepHooks
 from kernels.train_loop import FlatStep, PipelineStep, train_loop
@@ -87,7 +87,7 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
     # full_parameters is collective for DTensors: every rank gathers, or none does.
     params = {k: v.tolist() for k, v in full_parameters(inner).items()} if run.return_params else {}
     out = {"losses": losses, "grad_norms": norms, "step_times": times, "layout": layout, "params": params,
-           "first_step": first}
+           **ckpt.record()}
     if probe is not None:  # the measured record beside the layout it measured
         out["measure"] = measure_record(layout, dims, device, probe, loss=losses[-1],
                                         microbatches=strategy.microbatches)
@@ -110,7 +110,7 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
     step_fn = PipelineStep(runtime, stack, dp_group(mesh) if by_hand else None, pp_group(mesh), device)
     losses, times, norms = _loop(run, dims, mesh, step_fn, optimizer, StepHooks(run.steps - first, probe, tracer),
                                  device, ckpt)
-    out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
+    out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),
            **_pipeline_records(run, dims, runtime, strategy, optimizer)}
     if probe is not None:  # kernels.measure's record: the dp strategy, the schedule's sizes
         out["measure"] = measure_record(out["layout"], dims, device, probe, strategy=strategy.kind, loss=losses[-1],
@@ -125,6 +125,8 @@ def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: S
           ckpt: RunCheckpoints):
     batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=dp_rank(mesh),
                           dp=dims.dp, device=device, first_step=ckpt.first_step)
+    if ckpt.first_step:
+        settle_ddp_buckets(step_fn, batches, optimizer)
     out = train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
                      record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step)
     ckpt.close()  # an asynchronous save still in flight is named before the run returns

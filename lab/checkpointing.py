@@ -36,6 +36,7 @@ class Checkpoint:
     bytes: int
     saved_at: _dt.datetime
     loss: float | None = None  # the loss of the step it was saved after
+    save_seconds: float | None = None  # from the save's start to its completion, on rank 0
 
     def __fspath__(self) -> str:
         return self.path
@@ -50,7 +51,8 @@ def record(path: str | os.PathLike) -> Checkpoint:
     meta = read_meta(path)
     return Checkpoint(step=int(meta["step"]), path=str(Path(path).resolve()), layout=dict(meta.get("layout", {})),
                       world_size=int(meta.get("world_size", 0)), bytes=directory_bytes(path),
-                      saved_at=_dt.datetime.fromtimestamp(meta["saved_at"]), loss=meta.get("loss"))
+                      saved_at=_dt.datetime.fromtimestamp(meta["saved_at"]), loss=meta.get("loss"),
+                      save_seconds=meta.get("save_seconds"))
 
 
 def checkpoints(path: str | os.PathLike) -> list[Checkpoint]:

@@ -40,7 +40,7 @@ EIGHT_RANKS = {"pp2-dp2-tp2"}
 PAIRS = [("dp4", "tp2-dp2-zero3"), ("zero3-dp4", "pp2-tp2-1f1b"), ("pp2-dp2-gpipe", "zero1-dp4"),
          ("pp2-tp2-interleaved", "zero2-dp4"),
          pytest.param("pp2-dp2-tp2", "dp2-tp2", marks=pytest.mark.slow, id="pp2-dp2-tp2-8-ranks-to-dp2-tp2")]
-SAME = ["zero3-dp4", "zero1-dp4", "pp2-dp2-gpipe"]  # ZeRO-1: each rank saves and loads its own partition
+SAME = ["dp4", "zero3-dp4", "zero1-dp4", "pp2-dp2-gpipe"]  # ZeRO-1: each rank saves and loads its own partition
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,3 +129,14 @@ def test_a_checkpoint_lists_its_step_layout_world_and_bytes(request, saved):
     assert [c.step for c in found] == [SAVED_AT, STEPS]
     assert all(c.world_size == 4 and c.layout["dp"] == 4 and c.layout["zero"] == 3 and c.bytes > 0 for c in found)
     assert found[0].saved_at <= found[1].saved_at
+
+
+def test_an_asynchronous_save_resumes_bit_for_bit_too(request, saved, tmp_path):
+    pool = _pool(request, "zero3-dp4")
+    whole, _ = saved(pool, "zero3-dp4")
+    root = str(tmp_path / "async")
+    run = _experiment(pool, "zero3-dp4", checkpoint_dir=root, checkpoint_every=SAVED_AT, checkpoint_async=True).run()
+    assert run.losses == whole.losses  # saving in the background changes nothing in the training
+    resumed = _experiment(pool, "zero3-dp4", resume_from=_step_two(root)).run(return_params=True)
+    assert resumed.losses == whole.losses[SAVED_AT:]
+    assert resumed.params == whole.params
