@@ -8,7 +8,8 @@ the model, the optimizer and the data position there between cells:
   Experiment with the same ``trace``/``measure`` options measures its run: the last step
   of the call). Steps continue exactly: ``step(3)`` then ``step(3)`` computes what one
   ``Experiment(steps=6).run()`` computes, bit for bit;
-- ``losses`` is every step's loss so far;
+- ``losses`` is every step's loss so far (loaded from an Experiment's checkpoint: the
+  steps after it, as that checkpoint keeps only its last loss);
 - ``relayout(parallel)`` moves the live weights and optimizer state to another layout
   (and world size) on the same engines: the old layout writes them with DCP, the new one
   reads its own pieces back (``kernels.live_training.relayout_training``); training then
@@ -77,7 +78,8 @@ class Training:
         """The driver's side: checked (nothing reaches the ranks when a rule is broken), at step 0."""
         self.cluster, self._options = cluster, options
         self.key = f"training-{uuid.uuid4().hex[:12]}"  # the ranks' registry key of this training
-        self.losses: list[float] = []
+        self.losses: list[float] = []  # every step's, as far as known (an Experiment's checkpoint keeps none)
+        self.steps_done = 0  # optimizer steps taken so far: the next step() trains global step steps_done first
         self.experiment = self._experiment(model, parallel, options)
 
     @property
@@ -87,11 +89,6 @@ class Training:
     @property
     def parallel(self) -> Parallel:
         return self.experiment.parallel
-
-    @property
-    def steps_done(self) -> int:
-        """Optimizer steps taken so far: the next ``step()`` trains global step ``steps_done`` first."""
-        return len(self.losses)
 
     def _experiment(self, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> Experiment:
         """The Experiment whose checks and run config this layout gets; refused before anything reaches the ranks."""
@@ -171,6 +168,7 @@ class Training:
         meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
                               str(found))[0]
         training.losses = list(meta.get("losses", []))
+        training.steps_done = int(meta["step"])
         return training
 
     def step(self, n: int = 1, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
@@ -184,6 +182,7 @@ class Training:
             raise LabError(f"the ranks stood at step {first}, the driver at {self.steps_done}: the training was "
                            "stepped from elsewhere")
         self.losses += per_rank[0]["losses"]
+        self.steps_done += n
         found = measurements(per_rank, cfg)
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0]["grad_norms"]),

@@ -26,6 +26,9 @@ def test_steps_continue_bit_for_bit(cluster, tmp_path):
         assert loaded.steps_done == 2 and loaded.parallel == parallel
         assert loaded.step(1, return_params=True).params == whole.params
         assert loaded.losses == whole.losses
+    lab.Experiment(cluster, model, parallel, steps=2, checkpoint_dir=str(tmp_path / "exp")).run()
+    with lab.Training.load(cluster, tmp_path / "exp") as loaded:  # an Experiment's checkpoint keeps no losses
+        assert loaded.steps_done == 2 and loaded.step(1).losses == whole.losses[2:]
     assert cluster.run(live_training.held_keys) == [[]] * cluster.world_size  # closed: nothing held
 
 
@@ -39,6 +42,7 @@ def test_a_rebuilt_world_releases_the_training(cluster):
         training.step(1)
 
 
+@pytest.mark.slow  # seven layouts built and loaded in turn: 20-35 s on two loaded cores
 def test_relayout_keeps_the_weights(cluster):
     """Relayouts mid-run, one step apart, go on as the uninterrupted DP4 run (losses rtol 1e-4, parameters 1e-5).
 
