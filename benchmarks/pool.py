@@ -105,8 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--starts", type=int, default=2)
+    parser.add_argument("--starts", type=int, default=2, help="start-up comparisons (0 skips them)")
     args = parser.parse_args()
+    if args.ranks < 1 or args.calls < 1 or args.starts < 0:
+        parser.error("--ranks and --calls must be at least 1, --starts at least 0")
     warnings.simplefilter("ignore", lab.OversubscribedWarning)
 
     lab_ms, raw_ms, cloud_ms = (1e3 * x for x in latency(args.ranks, args.calls))
@@ -114,6 +116,8 @@ def main() -> None:
           f"raw DirectView.apply_sync {raw_ms:.2f} ms, ratio {lab_ms / raw_ms:.2f}x (goal <= 1.2x); "
           f"raw with cloudpickle {cloud_ms:.2f} ms, ratio {cloud_ms / raw_ms:.2f}x")
 
+    if not args.starts:
+        return
     lab_starts, raw_starts = [], []
     for _ in range(args.starts):  # alternate so both see the same machine state
         raw_starts.append(time_raw_start(args.ranks))

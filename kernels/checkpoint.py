@@ -151,7 +151,7 @@ class AsyncSaver:
             self.failed = error
 
     def wait(self) -> None:
-        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to have seen it named."""
+        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to see it named."""
         if self.pending is not None:
             self.pending.result()
             self.pending = None

@@ -100,7 +100,7 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:
 
 
 def check_against(path: str | os.PathLike, expected: dict[str, tuple[int, ...]], *, what: str = "model") -> None:
-    """Raise when the checkpoint lacks a key of ``expected`` (``{flattened key: global shape}``) or stores another shape.
+    """Raise when the checkpoint lacks a key of ``expected`` (``{flattened key: shape}``) or stores another shape.
 
     Shapes are checked first, so a checkpoint of another model names its mismatched
     tensors rather than whichever key happens to be missing.

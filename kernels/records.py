@@ -129,6 +129,7 @@ class RankStatus(Record):
     state: str = "idle"  # idle | busy | failed | dead
     detail: str = ""  # last error, or what the rank is doing
     rss_bytes: int | None = None  # resident memory of the engine process; None where it cannot be read
+    last_heard_s: float | None = None  # seconds since the rank's last progress record (lab.run_handle); None: none
 
 
 @dataclass(frozen=True)

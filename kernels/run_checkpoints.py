@@ -37,13 +37,20 @@ class RunCheckpoints:
 
     def __init__(self, run: RunConfig, model: nn.Module, optimizer, strategy: Strategy) -> None:
         self.run, self.model, self.optimizer = run, model, optimizer
+        everyone = dist.get_world_size()
+        if (run.checkpoint_dir or run.resume_from) and (run.world_size or everyone) != everyone:
+            raise ValueError("checkpoints are saved and loaded by every rank of the process group: run on all of them "
+                             f"(world_size={run.world_size} of {everyone})")
         self.layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
                        "schedule": strategy.schedule, "describe": strategy.describe()}
         self.first_step, self.load_seconds = 0, 0.0
         self.saver = AsyncSaver() if run.checkpoint_dir and run.checkpoint_async else None
 
     def resume(self) -> int:
-        """Load ``resume_from`` (a step directory, a checkpoint directory's latest, or a safetensors file); returns the step to start at."""
+        """Load ``resume_from`` (a step directory, a checkpoint directory's latest, or a safetensors file).
+
+        Returns the step to start at (0 after weights alone).
+        """
         source, began = self.run.resume_from, time.perf_counter()
         if not source:
             return 0

@@ -23,7 +23,7 @@ from kernels.records import Record
 
 # The switches: each must be True or False.
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload", "compile", "return_params",
-         "record_grad_norm", "measure", "trace", "checkpoint_async")
+         "record_grad_norm", "measure", "trace", "checkpoint_async", "progress")
 
 @dataclass(frozen=True)
 class RunConfig(Record):
@@ -69,6 +69,7 @@ class RunConfig(Record):
     checkpoint_every: int | None = None
     resume_from: str | None = None  # a step directory, a checkpoint directory (its latest) or a .safetensors file
     checkpoint_async: bool = False
+    progress: bool = False  # live per-step records and stop on request (kernels.progress)
 
     def __post_init__(self) -> None:
         problems = run_problems(self)

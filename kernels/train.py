@@ -25,6 +25,7 @@ Run alone (prints the strategy the options resolve to, then the losses beside th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 from typing import Any
@@ -46,6 +47,7 @@ from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, de
 from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
+from kernels.progress import reporter_for
 from kernels.reference import train_reference
 from kernels.run_checkpoints import RunCheckpoints, settle_ddp_buckets
 from kernels.run_config import RunConfig
@@ -127,8 +129,11 @@ def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: S
                           dp=dims.dp, device=device, first_step=ckpt.first_step)
     if ckpt.first_step:
         settle_ddp_buckets(step_fn, batches, optimizer)
-    out = train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
-                     record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step)
+    progress = reporter_for(run.steps - ckpt.first_step, run.global_batch * model_config(run).seq_len, device,
+                            step_fn, run.world_size) if run.progress else None
+    with progress or contextlib.nullcontext():
+        out = train_loop(step_fn, optimizer, batches, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
+                         record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step, progress=progress)
     ckpt.close()  # an asynchronous save still in flight is named before the run returns
     return out
 

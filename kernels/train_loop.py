@@ -19,7 +19,8 @@ The gradient norm is the whole gradient's, summed in squares over a pipeline's s
 Losses and norms stay on the device and step times are CUDA events on a GPU, all read
 once after the last step: the loop never waits for the device, so a GPU rank queues
 the next step while the current one runs, as a plain torch loop does.
-Measuring (probes, the tracer) attaches through ``kernels.step_hooks.StepHooks``.
+Measuring (probes, the tracer) attaches through ``kernels.step_hooks.StepHooks``; live
+progress and stopping through ``kernels.progress`` (one call per finished step).
 
 Run alone (through the rank function that builds the layout)::
 
@@ -103,10 +104,11 @@ class PipelineStep:
 def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream, *, dp: int,
                dp_group: dist.ProcessGroup, hooks: StepHooks,
                record_grad_norm: bool = True, on_step: Callable[[int, torch.Tensor], None] | None = None,
-               ) -> tuple[list[float], list[float], list[float]]:
+               progress=None) -> tuple[list[float], list[float], list[float]]:
     """Run one optimizer step per batch of ``batches``; returns (global mean losses, step seconds, grad norms).
 
-    ``on_step(step, loss)`` runs after each step, outside its clock (checkpoints).
+    ``on_step(step, loss)`` runs after each step, outside its clock (checkpoints). ``progress``
+    (``kernels.progress.ProgressReporter``) hears of each finished step and may end the run there.
     """
     losses, norms, clock = [], [], StepClock(batches.device)
     for step, (inputs, targets) in enumerate(batches):  # (B/dp, T) each
@@ -127,6 +129,8 @@ def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream
         losses.append(replica_loss / dp)
         if on_step is not None:
             on_step(step, losses[-1])
+        if progress is not None and progress.step_done(step, losses[-1], clock):
+            break  # every rank agreed to stop at this step boundary
     return (torch.stack(losses).tolist() if losses else [], clock.seconds(),
             torch.stack(norms).tolist() if norms else [])
 

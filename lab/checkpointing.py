@@ -56,7 +56,7 @@ def record(path: str | os.PathLike) -> Checkpoint:
 
 
 def checkpoints(path: str | os.PathLike) -> list[Checkpoint]:
-    """The complete checkpoints under a checkpoint directory, oldest step first; a save that did not finish is not listed."""
+    """The complete checkpoints under a directory, oldest step first; a save that did not finish is not listed."""
     return [record(p) for p in complete_checkpoints(path)]
 
 

@@ -47,6 +47,9 @@ class Cluster(WorldKeeper, FailureReporter):
         self._states: dict[int, tuple[str, str]] = {}
         self._watchers: list[Callable[[list[RankStatus]], None]] = []
         self._on_stop: list[Callable[[], None]] = []
+        # Called with each call's per-rank futures as it is sent (lab.run_handle reads their data messages).
+        self._submit_listeners: list[Callable[[dict[int, AsyncResult]], None]] = []
+        self._heard: dict[int, float] = {}  # rank -> wall clock of its last progress record (set by lab.run_handle)
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
@@ -91,8 +94,10 @@ class Cluster(WorldKeeper, FailureReporter):
 
     def status(self) -> list[RankStatus]:
         """One row per rank: where it runs, what state it is in, and its resident memory."""
+        now = time.time()
         return [RankStatus(r.rank, r.host, r.pid, r.device, r.backend, self._threads,
-                           *self._states.get(r.rank, ("idle", "")), rss_bytes=self._rss(r.pid))
+                           *self._states.get(r.rank, ("idle", "")), rss_bytes=self._rss(r.pid),
+                           last_heard_s=now - self._heard[r.rank] if r.rank in self._heard else None)
                 for r in self._rank_map.ranks]
 
     def view(self) -> "ClusterView":
@@ -127,6 +132,8 @@ class Cluster(WorldKeeper, FailureReporter):
         targets = self._targets(ranks)
         self._standby.warm({r.engine_id for r in self._rank_map.ranks})
         pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
+        for listener in list(self._submit_listeners):
+            listener(pending)
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
         self._notify()

@@ -8,6 +8,11 @@ raising one ``ParallelConfigError`` that names every broken rule. Then ``run()``
 every rank and gathers plain records. The same config trains in one process with
 ``reference()``, which is the ground truth.
 
+``start()`` trains without blocking and returns a ``lab.run_handle.RunHandle``; ``run()``
+blocks with a progress bar. Both have the ranks send one record per step
+(``kernels.progress``) unless ``run(progress=False)``; ``log_to`` writes them to
+TensorBoard or W&B (``lab.run_logs``).
+
 Options (all off by default; then the ranks install nothing and the run
 costs what it did):
 
@@ -24,6 +29,9 @@ costs what it did):
 - ``measure=True``: the last step is probed (``kernels.measure``): memory per category
   at rest and, without pp, between forward and backward; collectives per type. The
   driver sets each value beside its prediction (``lab.measure``).
+- ``checkpoint_dir=PATH, checkpoint_every=K`` (``checkpoint_async=True`` in the background):
+  save after every K steps and after the last; ``resume_from=`` a checkpoint (or a
+  safetensors file) goes on from its step under this layout (``lab.checkpointing``).
 """
 from __future__ import annotations
 
@@ -40,9 +48,11 @@ from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
 from lab.checkpointing import check_resume, directory_problems, resume_path
+from lab import run_logs, run_views
 from lab.cluster import Cluster
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
+from lab.run_handle import RunHandle
 from lab.run_result import RunResult
 from lab.timeline import bubble_from_records, planned_orders
 
@@ -116,14 +126,39 @@ class Experiment:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
         return self.run_config(return_params=return_params).to_dict()
 
-    def run(self, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
+    def run(self, *, timeout: float | None = None, return_params: bool = False, progress: bool = True,
+            log_to: str | None = None) -> RunResult:
         """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure.
 
+        Blocks until the end with a progress bar (tqdm) unless ``progress=False``, which also sends
+        no per-step records. ``log_to`` ("tensorboard:DIR" or "wandb") logs every step (``lab.run_logs``).
         With ``resume_from``, the checkpoint is checked here (complete, the model's shapes,
         steps left to run) and training goes on from its step up to ``steps`` in total.
         """
-        cfg = self._resumed(self.config(return_params=return_params))
-        per_rank = self.cluster.run(train_rank, cfg, timeout=timeout)
+        if not progress and log_to is None:
+            cfg = self._resumed(self.config(return_params=return_params))
+            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout), cfg, return_params)
+        handle = self._handle(timeout, return_params, log_to)
+        with run_views.progress_bar(handle, show=progress):
+            handle._begin(background=False)  # the call runs here, so an interrupt reaches the pool as always
+        return handle.wait()
+
+    def start(self, *, timeout: float | None = None, return_params: bool = False,
+              log_to: str | None = None) -> RunHandle:
+        """Start training and return at once: a ``RunHandle`` with ``wait()``, ``done``, ``stop()`` and ``progress``."""
+        return self._handle(timeout, return_params, log_to)._begin(background=True)
+
+    def _handle(self, timeout: float | None, return_params: bool, log_to: str | None) -> RunHandle:
+        loggers = run_logs.open_loggers(log_to, self.config(), self.cluster.world_size)  # bad log_to: before launch
+        cfg = self._resumed({**self.config(return_params=return_params), "progress": True})
+        handle = RunHandle(self, cfg, timeout=timeout, return_params=return_params)
+        for logger in loggers:
+            handle.follow(logger.write)
+            handle.on_finish(logger.close)
+        return handle
+
+    def _result(self, per_rank: list[dict[str, Any]], cfg: dict[str, Any], return_params: bool) -> RunResult:
+        """The RunResult of the ranks' records."""
         found = measurements(per_rank, cfg)
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),

@@ -46,6 +46,9 @@ class RunResult:
     # (named *_records: ``memory()`` and ``comm()`` are the views)
     memory_records: list[dict[str, Any]] = field(default_factory=list)  # MemoryRecord dicts
     comm_records: list[dict[str, Any]] = field(default_factory=list)  # CommRecord dicts
+    # live progress (Experiment.start / run): StepProgress dicts, and the last step of a stopped run
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    stopped_at: int | None = None
     first_step: int = 0  # steps done before this run (resumed from a checkpoint at that step)
 
     @property
@@ -78,7 +81,8 @@ class RunResult:
     # --- views: records in, widgets and figures out ----------------------------------------
     def _need(self, name: str, what: str) -> None:
         if not getattr(self, name):
-            option = "trace=True (a pipeline layout, pp > 1)" if name == "events" else "measure=True"
+            option = {"events": "trace=True (a pipeline layout, pp > 1)",
+                      "progress": "nothing: run it with progress on (the default) or start()"}.get(name, "measure=True")
             raise NotRecordedError(f"this run recorded no {what}: pass {option} to lab.Experiment and run it again")
 
     def _planned(self) -> dict[int, list]:
@@ -123,6 +127,13 @@ class RunResult:
         """``widgets.ShardingView`` of the layout every rank built."""
         from widgets import ShardingView
         return ShardingView(self.layout)
+
+    def dashboard(self):
+        """The run's ``widgets.TrainingDashboard``, replayed from its progress records (``Experiment.run``/``start``)."""
+        from widgets import TrainingDashboard
+
+        self._need("progress", "per-step progress")
+        return TrainingDashboard.replay(self.progress, world_size=self.world_size, steps=self.config.get("steps", 0))
 
     # --- JSON ------------------------------------------------------------------------------
     def to_json(self, path: str | Path | None = None) -> str:

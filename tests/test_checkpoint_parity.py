@@ -33,12 +33,14 @@ LAYOUTS = {
     "pp2-dp2-gpipe": {"pp": 2, "dp": 2, "schedule": "gpipe", "microbatches": 2},
     "pp2-tp2-interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "microbatches": 4},
     "pp2-dp2-tp2": {"pp": 2, "dp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 2},
+    "zero3-dp4-cpu-offload": {"dp": 4, "zero": 3, "cpu_offload": True},
+    "hsdp-2x2": {"dp": 4, "fsdp_strategy": "hybrid", "dp_replicate": 2},
 }
 EIGHT_RANKS = {"pp2-dp2-tp2"}
 
 # (A, B): the matrix
 PAIRS = [("dp4", "tp2-dp2-zero3"), ("zero3-dp4", "pp2-tp2-1f1b"), ("pp2-dp2-gpipe", "zero1-dp4"),
-         ("pp2-tp2-interleaved", "zero2-dp4"),
+         ("pp2-tp2-interleaved", "zero2-dp4"), ("zero3-dp4-cpu-offload", "hsdp-2x2"),
          pytest.param("pp2-dp2-tp2", "dp2-tp2", marks=pytest.mark.slow, id="pp2-dp2-tp2-8-ranks-to-dp2-tp2")]
 SAME = ["dp4", "zero3-dp4", "zero1-dp4", "pp2-dp2-gpipe"]  # ZeRO-1: each rank saves and loads its own partition
 

@@ -23,7 +23,7 @@ def rank_status(n: int = 4, failed: int | None = None) -> list[dict]:
     """kernels.records.RankStatus.to_dict() rows."""
     return [{"rank": r, "host": f"node{r // 2}", "pid": 1000 + r, "device": "cpu", "backend": "gloo",
              "threads": 2, "state": "failed" if r == failed else "idle", "detail": "boom" if r == failed else "",
-             "rss_bytes": (300 + r) * 2**20} for r in range(n)]
+             "rss_bytes": (300 + r) * 2**20, "last_heard_s": None} for r in range(n)]
 
 
 def collective_records(n: int = 4) -> list[dict]:

@@ -1,6 +1,8 @@
 // ClusterView: one `.cl-rank` card per rank (data-state), grouped in `.cl-host` boxes.
 // Reads `ranks` and `summary`; redraws on change (update() on the Python side).
 
+const STALE_S = 5;  // a busy rank silent this long is marked stale (red), as in TrainingDashboard
+
 function card(r) {
   const c = h("div", "cl-rank");
   c.dataset.rank = r.rank;
@@ -12,6 +14,11 @@ function card(r) {
   c.appendChild(h("div", "cl-rank-pid", `pid ${r.pid} · ${r.threads} threads`));
   if (r.rss_bytes !== null && r.rss_bytes !== undefined)
     c.appendChild(h("div", "cl-rank-memory", `${(r.rss_bytes / 2 ** 20).toFixed(0)} MiB resident`));
+  if (r.last_heard_s !== null && r.last_heard_s !== undefined) {
+    const heard = h("div", "cl-rank-heard", `heard ${r.last_heard_s.toFixed(1)} s ago`);
+    c.dataset.stale = String(r.state === "busy" && r.last_heard_s > STALE_S);
+    c.appendChild(heard);
+  }
   if (r.detail) c.appendChild(h("div", "cl-rank-detail", r.detail));
   return c;
 }
