@@ -89,7 +89,8 @@ class StepProbe:
         """Count what autograd saves in the body; snapshot ``peak_fwd_bwd`` right after it."""
         with SavedActivations(self.model) as acts:
             yield
-        self.memory["peak_fwd_bwd"] = snapshot(self.model, self.optimizer, "peak_fwd_bwd", acts.bytes, self.device)
+        self.memory["peak_fwd_bwd"] = snapshot(self.model, self.optimizer, "peak_fwd_bwd", acts.bytes, self.device,
+                                               acts.parts)
 
     def at_rest(self) -> None:
         """Snapshot ``at_rest``: call after ``optimizer.step()``, before ``zero_grad``."""

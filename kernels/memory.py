@@ -34,7 +34,8 @@ so gradient buffers live across steps, as the ZeRO formulas assume):
 Activations (``SavedActivations``): a ``torch.autograd.graph.saved_tensors_hooks``
 pack hook sees every tensor autograd saves in forward; the bytes of the unique
 storages behind them, leaving out parameters' storages, are the activations held at
-the end of forward (autograd keeps them all until backward uses them). On CUDA the
+the end of forward (autograd keeps them all until backward uses them); ``parts`` splits them by
+the part of the model that saved them (``kernels.activation_parts``). On CUDA the
 allocator's own figures are reported beside them (``None`` on CPU):
 ``torch.cuda.memory_allocated`` at the moment (``cuda_allocated``: every live tensor,
 the tensors counted above included) and ``torch.cuda.max_memory_allocated`` since the
@@ -52,6 +53,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
+
+from kernels.activation_parts import PartTracker
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -124,8 +127,10 @@ class SavedActivations:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.storages: dict[int, int] = {}
+        self.parts: dict[str, int] = {}  # the same bytes by the part of the model that saved them
         self.saved = 0  # how many tensors autograd saved (views of one storage counted apart)
         self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+        self._tracker = PartTracker(model)
 
     @property
     def bytes(self) -> int:
@@ -140,20 +145,28 @@ class SavedActivations:
             params = {_storage_key(local_tensor(p)) for p in self.model.parameters()}
             if key not in params:
                 self.storages[key] = nbytes
+                part = self._tracker.current()
+                self.parts[part] = self.parts.get(part, 0) + nbytes
         return t
 
     def __enter__(self) -> "SavedActivations":
+        self._tracker.__enter__()
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        self._tracker.__exit__(*exc)
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, moment: str,
-             activations: int | None = None, device: torch.device | None = None) -> dict[str, Any]:
-    """One memory record: the model states now, the saved activations and, on CUDA, the allocator's now and peak."""
+             activations: int | None = None, device: torch.device | None = None,
+             activation_parts: dict[str, int] | None = None) -> dict[str, Any]:
+    """One memory record: the model states now, the saved activations (and by part, where counted) and, on CUDA,
+    the allocator's now and peak."""
     out: dict[str, Any] = {"moment": moment, **model_state_bytes(model, optimizer), "activations": activations}
+    if activation_parts is not None:
+        out["activation_parts"] = dict(activation_parts)
     cuda = device is not None and device.type == "cuda"
     out["cuda_allocated"] = int(torch.cuda.memory_allocated(device)) if cuda else None
     out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device)) if cuda else None
@@ -168,7 +181,7 @@ def _main() -> None:
     for step in range(2):
         with SavedActivations(model) as acts:
             loss = loss_fn(model(x), x)
-        peak = snapshot(model, opt, "peak_fwd_bwd", acts.bytes)
+        peak = snapshot(model, opt, "peak_fwd_bwd", acts.bytes, activation_parts=acts.parts)
         loss.backward()
         opt.step()
         rest = snapshot(model, opt, "at_rest")

@@ -218,7 +218,8 @@ class MemoryRecord(Record):
 
     moment: "at_rest" (after optimizer.step, before zero_grad) | "peak_fwd_bwd" (forward
     done, backward not started). category: params | grads | optimizer | activations |
-    cuda_allocated (the allocator now) | cuda_max_allocated (its peak in the step). Bytes throughout.
+    cuda_allocated (the allocator now) | cuda_max_allocated (its peak in the step) |
+    activations.<part> (the activations again, by part: kernels/activation_parts.py). Bytes throughout.
     """
 
     rank: int

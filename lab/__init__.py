@@ -38,6 +38,7 @@ _HOME = {
     "Checkpoint": "lab.checkpointing", "checkpoints": "lab.checkpointing", "export": "lab.checkpointing",
     "CheckpointError": "kernels.checkpoint_files", "CheckpointMismatchError": "kernels.checkpoint_files",
     "CheckpointMissingError": "kernels.checkpoint_files",
+    "compare_schedules": "lab.compare", "plot_schedules": "lab.compare",
     "Training": "lab.training",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train

@@ -48,6 +48,8 @@ from lab.planner import plan
 _DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.float16": 2}
 ADAM_K = 8  # fp32 AdamW: exp_avg + exp_avg_sq, 4 bytes each per element
 STEP_BYTES = 4  # AdamW's per-tensor fp32 step scalar
+PART_SOURCE = ("measured: saved-tensor hooks, each new storage counted for the innermost running module that "
+               "names a part (kernels/activation_parts.py); outside the model = the loss")
 
 
 def shard_rows(d: int, n: int, r: int) -> int:
@@ -163,6 +165,9 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
             rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="activations",
                                      measured=snap["activations"], predicted=None, formula=None,
                                      note="unique storages saved for backward, parameters left out"))
+        for part, nbytes in snap.get("activation_parts", {}).items():  # the same bytes again, split by part
+            rows.append(MemoryRecord(rank=record["rank"], moment=moment, category=f"activations.{part}",
+                                     measured=nbytes, predicted=None, formula=None, note=PART_SOURCE))
         rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_allocated",
                                  measured=snap.get("cuda_allocated"), predicted=None, formula=None,
                                  note="torch.cuda.memory_allocated at this moment: every live tensor; None on CPU"))

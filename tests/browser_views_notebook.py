@@ -4,6 +4,7 @@
   experiment, the collectives and a memory measurement; every view is drawn from what they return.
 - ``perf_notebook``: no ranks; one PipelineTimeline of 8 ranks x 32 micro-batches x F/I/W, built
   from records the test saved, shown three times (three renders), with its state size printed.
+- ``gallery_perf_notebook``: the same step five times in one ScheduleGallery, shown three times.
 """
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ PERF_CELLS = [
     f"print({PERF_DONE!r})",
 ]
 
+GALLERY_DONE = "gallery views are ready"
+GALLERY_CELLS = [
+    ("import json\nfrom widgets import ScheduleGallery\nsaved = json.load(open('perf.json'))\n"
+     "gallery = ScheduleGallery({f'run {i}': (saved['events'], saved['bubble']) for i in range(5)})\n"
+     "state = gallery.get_state()  # what the comm's open message carries, ESM and CSS included\n"
+     "data = {k: state[k] for k in ('panels', 'span_ms')}\n"
+     f"print({PERF_MARK!r}, json.dumps({{'state_bytes': len(json.dumps(state)), "
+     "'data_bytes': len(json.dumps(data))}))"),
+    *["gallery"] * PERF_RENDERS,
+    f"print({GALLERY_DONE!r})",
+]
+
+
 def _write(cells: list[str], path: Path) -> Path:
     nb = new_notebook(cells=[new_code_cell(src) for src in cells], metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
@@ -67,3 +81,9 @@ def perf_notebook(tmp_path: Path, saved: dict) -> Path:
     """``saved``: {events, bubble, planned}, written beside the notebook's copy (the kernel's cwd)."""
     (tmp_path / "perf.json").write_text(json.dumps(saved))
     return _write(PERF_CELLS, tmp_path / "src" / "timeline_perf.ipynb")
+
+
+def gallery_perf_notebook(tmp_path: Path, saved: dict) -> Path:
+    """``saved``: {events, bubble} of one 8 x 32 x F/I/W step, shown as a gallery of five panels."""
+    (tmp_path / "perf.json").write_text(json.dumps(saved))
+    return _write(GALLERY_CELLS, tmp_path / "src" / "gallery_perf.ipynb")

@@ -61,6 +61,11 @@ def test_model_state_bytes_per_rank_equal_the_zero_formula(measured, layout, mom
         if layout != "zero1":  # ZeRO-1's greedy whole-tensor partition: see the next test
             assert rows["optimizer"].measured == pytest.approx(rows["optimizer"].formula, rel=0.01)
         assert rows["activations"].measured > 0 if moment == "peak_fwd_bwd" else "activations" not in rows
+        parts = {c[len("activations."):]: r.measured for c, r in rows.items() if c.startswith("activations.")}
+        if moment == "peak_fwd_bwd":  # the same bytes split by the part that saved them (kernels/activation_parts)
+            assert sum(parts.values()) == rows["activations"].measured and {"attention", "mlp", "norms"} <= set(parts)
+        else:
+            assert not parts
 
 
 def test_zero2_holds_whole_parameters_only_between_forward_and_backward(measured):

@@ -30,6 +30,11 @@ CELLS = [
     "MemoryView(saved['memory'])",
     "ShardingView(saved['layout_hsdp'])",
     "ShardingView(saved['layout_tp_fsdp'])",
+    "PipelineTimeline(saved['f1b'], saved['f1b_bubble'], present=True)",
+    "ShardingView(saved['layout'], present=True)",
+    "MemoryView(saved['memory'], present=True)",
+    "ClusterView(saved['ranks'], present=True)",
+    "CollectiveView(saved['collectives'], present=True)",
     "import time\ntime.sleep(2)\ncluster.update(saved['ranks_later'])\nswitching.set_layout(saved['layout'])\n"
     "print('views are ready')",
 ]
@@ -78,8 +83,9 @@ def test_views_render_and_step_in_jupyterlab(tmp_path):
     notebook = write_notebook(tmp_path)
     with browser_session(notebook, tmp_path, done_text="views are ready") as page:
         page.wait_for_selector(".cl-rank[data-state='failed']", timeout=20_000)  # update() reached the browser
-        assert page.locator(".cl-rank").count() == 4
-        assert page.locator(".cl-host").count() == 2
+        first = page.locator(".cl-cluster").first  # a second one, in present mode, comes later
+        assert first.locator(".cl-rank").count() == 4
+        assert first.locator(".cl-host").count() == 2
 
         ring = page.locator(".cl-collective").first
         assert ring.locator(".cl-ring-step").count() == 7  # inputs + 3 reduce-scatter + 3 all-gather
@@ -113,12 +119,75 @@ def test_views_render_and_step_in_jupyterlab(tmp_path):
         slice_ = switched.locator(".cl-shard-row[data-rank='1'] .cl-shard-layer[data-layer='params'] .cl-tensor").first
         assert slice_.locator(".cl-shard").get_attribute("data-start") == "8"  # tok_emb rows 8:16 on dp rank 1
         assert "left" in slice_.locator(".cl-shard").evaluate("e => getComputedStyle(e).transitionProperty")
+        check_rank_focus_and_tensor_hover(sharding)
         check_timelines_and_memory(page)
+        check_present_mode(page)
         text = page.locator(".jp-OutputArea").evaluate_all("els => els.map((e) => e.innerText).join(' ')")
         assert not set(text) & set(MISSING_GLYPHS), sorted(set(text) & set(MISSING_GLYPHS))
         assert page.locator(".cl-play svg.cl-icon").count() >= 2  # the collective's and the timeline's
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "widgets.png"), full_page=True)
+        save_each_view(page)
+
+
+def save_each_view(page) -> None:
+    """One screenshot per view drawn, test-artifacts/widgets_<view>_<n>.png (the paths are printed)."""
+    for cls in ("cl-cluster", "cl-collective", "cl-sharding", "cl-timeline", "cl-memory"):
+        views = page.locator(f".{cls}")
+        for i in range(views.count()):
+            # scrolled and clipped by hand: Playwright's own element screenshot waits for the element to stop
+            # moving, and a wide view inside JupyterLab's output area keeps nudging by a pixel
+            views.nth(i).evaluate("e => e.scrollIntoView({block: 'center'})")
+            path = ARTIFACTS / f"widgets_{cls[3:]}_{i}.png"
+            page.screenshot(path=str(path), clip=views.nth(i).bounding_box(), full_page=True)
+            print(f"screenshot: {path}")
+
+
+def check_rank_focus_and_tensor_hover(sharding) -> None:
+    """Clicking a rank's label keeps its three rows in view and says what it holds; hovering a tensor outlines
+    it on every rank and gives its global shape and each rank's slice."""
+    sharding.scroll_into_view_if_needed()
+    sharding.locator(".cl-shard-row[data-rank='1'] > .cl-shard-label").click()
+    assert sharding.locator(".cl-shard-row.cl-focused").count() == 1
+    assert sharding.locator(".cl-shard-row.cl-focused").get_attribute("data-rank") == "1"
+    said = sharding.locator(".cl-shard-focus").inner_text()
+    assert said.startswith("rank 1 holds: parameters") and "gradients" in said and "optimizer state" in said
+    faded = sharding.locator(".cl-shard-row[data-rank='0']").evaluate("e => getComputedStyle(e).opacity")
+    assert float(faded) < 0.5
+    sharding.locator(".cl-shard-row[data-rank='2'] .cl-tensor").first.hover()
+    assert sharding.locator(".cl-tensor.cl-same-tensor").count() == 4 * 3  # the tensor on 4 ranks x 3 layers
+    said = sharding.locator(".cl-shard-focus").inner_text()
+    assert "global shape [" in said and "r0 dim0 0:" in said and "r3 dim0" in said
+    tensor = sharding.locator(".cl-shard-row[data-rank='2'] .cl-tensor").first
+    assert "local slice dim0" in tensor.get_attribute("title")
+
+
+def check_present_mode(page) -> None:
+    """Present mode: larger type and the Okabe-Ito palette (F is #0072b2)."""
+    plain, present = page.locator(".cl-timeline").nth(1), page.locator(".cl-timeline").nth(2)
+    present.scroll_into_view_if_needed()
+    present.locator(".cl-box").first.wait_for(timeout=10_000)
+    assert "cl-present" in present.get_attribute("class")
+    size = [v.locator(".cl-box").first.evaluate("e => parseFloat(getComputedStyle(e).fontSize)")
+            for v in (plain, present)]
+    assert size[1] > size[0]
+    colour = present.locator(".cl-box[data-kind='F']").first.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert colour == "rgb(0, 114, 178)"
+    sharding = page.locator(".cl-sharding.cl-present")
+    sharding.scroll_into_view_if_needed()
+    assert sharding.count() == 1
+    held = sharding.locator(".cl-shard-layer[data-layer='params'] .cl-shard").first
+    assert held.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(0, 114, 178)"
+    plain, present = page.locator(".cl-memory").first, page.locator(".cl-memory.cl-present")
+    present.scroll_into_view_if_needed()
+    params = [v.locator(".cl-mem-measured .cl-mem-seg[data-category='params']").first for v in (plain, present)]
+    assert [p.evaluate("e => getComputedStyle(e).backgroundColor") for p in params] == [
+        "rgb(78, 121, 167)", "rgb(0, 114, 178)"]  # #4e79a7 as ever; Okabe-Ito blue when presenting
+    for cls in ("cl-cluster", "cl-collective"):
+        plain, present = page.locator(f".{cls}").first, page.locator(f".{cls}.cl-present")
+        present.scroll_into_view_if_needed()
+        sizes = [v.evaluate("e => parseFloat(getComputedStyle(e).fontSize)") for v in (plain, present)]
+        assert sizes[1] > sizes[0], (cls, sizes)
 
 
 def check_timelines_and_memory(page) -> None:
@@ -145,8 +214,12 @@ def check_timelines_and_memory(page) -> None:
         for cls in ("cl-idle", "cl-wait", "cl-transfer")]
     assert len(set(styles)) == 3 and "gradient" in styles[1]  # blank, hatched, solid
     legend = zbv.locator(".cl-legend-item").evaluate_all("els => els.map((e) => e.dataset.kind)")
-    assert [k for k in legend if k] == ["F", "B", "wait", "transfer", "idle"]
+    assert [k for k in legend if k] == ["F", "B", "wait", "transfer", "idle", "vguide"]
     assert "waiting" in zbv.locator(".cl-legend").inner_text() and "chunk 1" in zbv.locator(".cl-legend").inner_text()
+    zbv.locator(".cl-planned-toggle").click()  # the V guide shows over lanes of the measured height only
+    points = zbv.locator(".cl-vguide polyline").get_attribute("points").split()
+    assert [float(p.split(",")[1]) for p in points] == [0.5, 1.5, 1.5, 0.5]  # rank 0, 1, 1, 0: down and back up
+    assert zbv.locator(".cl-vguide").is_visible()
 
     page.locator(".cl-timeline").nth(1).scroll_into_view_if_needed()
     words = page.locator(".cl-timeline").nth(1).locator(".cl-bubble").inner_text()
@@ -162,3 +235,9 @@ def check_timelines_and_memory(page) -> None:
     assert "KiB" in ticks.last.inner_text() and "bytes" in memory.locator(".cl-mem-axis-label").inner_text()
     assert memory.locator(".cl-mem-table").count() == 4
     assert memory.locator(".cl-mem-table tr[data-category='params'] .cl-mem-predicted-bytes").count() == 4
+    memory.locator(".cl-mem-moment[data-moment='peak_fwd_bwd']").click()  # activations are saved only then
+    memory.locator(".cl-mem-parts").nth(3).wait_for(timeout=5_000)
+    rows = memory.locator(".cl-mem-rank[data-rank='0'] .cl-mem-parts tr[data-part]")
+    assert rows.evaluate_all("els => els.map((e) => e.dataset.part)") == [
+        "attention", "mlp", "norms", "projection", "cross-entropy"]  # largest first
+    assert "saved-tensor hooks" in rows.first.get_attribute("title")

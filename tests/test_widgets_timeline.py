@@ -81,6 +81,8 @@ def memory_rank_record(rank: int, dp: int = 4, cuda: int | None = None) -> dict:
     record["memory"] = {moment: {**{k: int(v) + 8 * rank for k, v in pred[moment].items()},
                                  "activations": 0 if moment == "at_rest" else 20_000 + rank,
                                  "cuda_max_allocated": cuda} for moment in ("at_rest", "peak_fwd_bwd")}
+    record["memory"]["peak_fwd_bwd"]["activation_parts"] = {  # kernels.activation_parts: the 20_000 + rank again
+        "attention": 9_000, "mlp": 7_000, "norms": 3_000, "projection": 600, "cross-entropy": 400 + rank}
     return record
 
 
@@ -326,6 +328,9 @@ def test_plot_memory_draws_a_measured_and_a_predicted_bar_per_rank():
     gids = [p.get_gid() or "" for p in ax.patches]
     assert sum(g.startswith("measured:") for g in gids) == 4 * len(CATEGORIES)
     assert sum(g.startswith("predicted:") for g in gids) == 4 * 3  # params, grads, optimizer
+    assert ax.get_ylabel() == "bytes (KiB)"  # the unit the browser's axis picks for these sizes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:2] == ["parameters", "gradients"] and legend[-2:] == ["predicted (hatched)", "ZeRO formula (dashed)"]
     with pytest.raises(ValueError, match="not in the records"):
         plot_memory(mem_records(), "after_backward")
 

@@ -10,6 +10,6 @@ import pathlib
 STATIC = pathlib.Path(__file__).parent / "static"
 
 
-def view_module(name: str) -> str:
-    """The ES module text of the view whose script is ``static/<name>``."""
-    return (STATIC / "dom.js").read_text() + "\n" + (STATIC / name).read_text()
+def view_module(*names: str) -> str:
+    """The ES module text of the view whose scripts are ``static/<name>`` (helpers first, the view's own last)."""
+    return "\n".join((STATIC / name).read_text() for name in ("dom.js", *names))

@@ -11,6 +11,7 @@ from typing import Any
 
 from kernels.records import BubbleReport, TraceEvent
 from kernels.schedule_simulation import lay_out
+from widgets._vshape import v_path
 
 LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
 KINDS = {"F": "forward", "B": "backward", "I": "backward", "W": "backward_weight"}
@@ -20,8 +21,8 @@ SHADES = {"F": ("#4e79a7", "#27496d", "#8fb0d6", "#142a42"), "B": ("#59a14f", "#
           "I": ("#f28e2b", "#a85a12", "#f7bd83", "#6a3809"), "W": ("#b07aa1", "#754a6a", "#d7b5cf", "#4a2d43")}
 COLUMNS = ("rank", "stage", "kind", "mb", "start", "end", "peer", "nbytes")
 # The legend's order, whatever order the kinds first appear in: compute, then the time a rank spends
-# blocked in p2p/collectives (waiting for a peer, then moving data), then rank-wide work, then idle.
-LEGEND_ORDER = ("F", "B", "I", "W", "wait", "transfer", "optimizer", "idle")
+# blocked in p2p/collectives (waiting for a peer, then moving data), then rank-wide work, then idle, then the V.
+LEGEND_ORDER = ("F", "B", "I", "W", "wait", "transfer", "optimizer", "idle", "vguide")
 
 
 def _event_dicts(events: Any) -> list[dict[str, Any]]:
@@ -176,14 +177,15 @@ def _plan_match(cols: dict[str, Any], planned: dict | None) -> dict[str, bool]:
 
 def _timeline_state(events: Any, bubble: Any = None, planned: dict | None = None,
                     step: int | None = None) -> dict[str, Any]:
-    """Everything PipelineTimeline syncs, JSON-only: ranks, events (columns), idle, planned, mean_ms, span_ms,
-    bubble."""
+    """Everything PipelineTimeline syncs, JSON-only: ranks, events (columns), idle, vguide, planned, mean_ms,
+    span_ms, bubble."""
     report = BubbleReport.coerce(bubble).to_dict() if bubble is not None else {}
     cols = _columns(events, report.get("step") if step is None else step)
     mean = _mean_ms(cols)
     origin = min((s for s, k in zip(cols["start"], cols["kind"]) if k in KINDS), default=0.0)
     plan = _planned_layout(planned, mean, origin)
     ranks = sorted(set(cols["rank"]) | set(plan["rank"]) | set(report.get("ranks", [])))
-    return {"ranks": ranks, "events": cols, "idle": _idle(cols), "planned": plan, "plan_match": _plan_match(cols, planned),
+    return {"ranks": ranks, "events": cols, "idle": _idle(cols), "vguide": v_path(cols), "planned": plan,
+            "plan_match": _plan_match(cols, planned),
             "mean_ms": {k: round(v, 3) for k, v in mean.items()},
             "span_ms": max(cols["end"] + plan["end"], default=0.0), "bubble": report}

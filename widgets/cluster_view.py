@@ -46,6 +46,7 @@ class ClusterView(anywidget.AnyWidget):
 
     ranks = traitlets.List().tag(sync=True)  # _cluster_state(...) rows
     summary = traitlets.Unicode("").tag(sync=True)
+    present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, ranks: list[Any] | None = None, **kwargs: Any) -> None:
         rows = _cluster_state(ranks or [])

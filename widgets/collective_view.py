@@ -31,6 +31,7 @@ class CollectiveView(anywidget.AnyWidget):
     op = traitlets.Unicode("").tag(sync=True)  # the op on screen
     frame = traitlets.Int(0).tag(sync=True)  # the step on screen (0 = inputs)
     interval_ms = traitlets.Int(900).tag(sync=True)  # play speed
+    present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, records: list[Any] | None = None, **kwargs: Any) -> None:
         records = _flat(records or [])

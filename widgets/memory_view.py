@@ -3,7 +3,9 @@
 Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
-allocator's view of the same tensors) | ``cuda_max_allocated`` (any other category counts as ``other``). On GPU, ``other`` also takes what
+allocator's view of the same tensors) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
+split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar)
+(any other category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
 
 One ``.cl-mem-rank`` per rank: a measured bar of ``.cl-mem-seg[data-category]`` segments
@@ -25,6 +27,7 @@ LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer 
           "other": "other"}
 COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759", "other": "#bab0ac"}
 MOMENTS = ("at_rest", "peak_fwd_bwd")
+PART_PREFIX = "activations."  # activations.attention, .mlp, ...: kernels/activation_parts.py
 
 
 def _add(into: dict[str, Any], key: str, value: float | None) -> None:
@@ -38,8 +41,12 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     predicted: dict[str, Any] = {}
     formula: dict[str, Any] = {}
     notes: dict[str, str] = {}
+    parts: dict[str, Any] = {}
     cuda = None
     for r in rows:
+        if r["category"].startswith(PART_PREFIX):  # the activations again, by part: a table, not a bar
+            parts[r["category"][len(PART_PREFIX):]] = {"measured": r.get("measured"), "source": r.get("note", "")}
+            continue
         if r["category"] == "cuda_max_allocated":
             cuda = r.get("measured")
             continue
@@ -57,7 +64,8 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         notes["other"] = "; ".join(filter(None, [notes.get("other"), f"{beyond} B more in cuda max allocated"]))
     return {"rank": rank, "measured": measured, "predicted": predicted, "formula": formula, "notes": notes,
             "total": sum(measured.values()), "predicted_total": sum(predicted.values()) if predicted else None,
-            "formula_total": sum(formula.values()) if formula else None, "cuda_max_allocated": cuda}
+            "formula_total": sum(formula.values()) if formula else None, "cuda_max_allocated": cuda,
+            "activation_parts": parts}
 
 
 def _memory_state(records: Any) -> dict[str, Any]:
@@ -83,6 +91,7 @@ class MemoryView(anywidget.AnyWidget):
     bars = traitlets.Dict().tag(sync=True)  # moment -> [_bar(...) per rank]
     scale = traitlets.Float(1.0).tag(sync=True)  # bytes at full bar height, the same for every moment
     moment = traitlets.Unicode("at_rest").tag(sync=True)
+    present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, records: Any = None, moment: str = "at_rest", **kwargs: Any) -> None:
         state = _memory_state(records or [])
@@ -100,16 +109,28 @@ class MemoryView(anywidget.AnyWidget):
                 self.moment = state["moments"][0]
 
 
+BINARY_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
+
+
+def _unit(scale: float) -> tuple[str, float]:
+    """The largest binary unit the scale reaches, as the browser's axis picks it (static/memory_view.js ticks)."""
+    return [u for u in BINARY_UNITS if scale / u[1] >= 1][-1] if scale >= 1 else BINARY_UNITS[0]
+
+
 def plot_memory(records: Any, moment: str = "at_rest"):
-    """Static fallback: per rank a measured stacked bar (gid ``measured:<category>``) beside the predicted
-    one (hatched, gid ``predicted:<category>``, only categories with a prediction); MiB on y."""
+    """Static fallback with the browser's labels: per rank a measured stacked bar (gid ``measured:<category>``)
+    beside the predicted one (hatched, gid ``predicted:<category>``, only categories with a prediction), the ZeRO
+    formula dashed; the y axis in bytes, in the binary unit the browser's axis uses."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     state = _memory_state(records)
     if moment not in state["bars"]:
         raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
-    bars, mib = state["bars"][moment], 2.0 ** 20
-    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 2), 3.2))
+    unit, mib = _unit(state["scale"])
+    bars = state["bars"][moment]
+    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 3), 3.2))
     ax = fig.add_subplot()
     for i, b in enumerate(bars):
         low = high = 0.0
@@ -124,8 +145,13 @@ def plot_memory(records: Any, moment: str = "at_rest"):
         if b["formula_total"]:
             ax.hlines(b["formula_total"] / mib, i + 0.01, i + 0.39, colors="black", linestyles="dashed",
                       gid="formula")
-    ax.set_xticks(range(len(bars)), [f"rank {b['rank']}\nmeasured | predicted" for b in bars], fontsize=7)
-    ax.set_ylabel("MiB")
-    ax.set_title(f"memory per rank at {moment} (dashed: ZeRO formula)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_xticks(range(len(bars)), [f"rank {b['rank']}" for b in bars], fontsize=7)
+    ax.set_xlabel("per rank: measured (left) | predicted (right)", fontsize=7)
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(f"memory per rank at {moment}: measured beside predicted", fontsize=9)
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Patch(facecolor="white", edgecolor="black", hatch="//", label="predicted (hatched)"),
+                Line2D([], [], color="black", linestyle="dashed", label="ZeRO formula (dashed)")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
     return fig

@@ -16,7 +16,8 @@ peer: [], nbytes: []}`` plus ``step`` and ``t0_ms``; times in ms from the step's
 rounded to µs; ``kind`` is the letter F/B/I/W for compute, else the event kind (send, recv,
 all_reduce, optimizer, ...); ``chunk`` says which of its rank's stages an event belongs to and
 ``ready`` where a communication event stops waiting for its peer and starts moving data
-(``widgets._timeline._ready``). ``idle`` holds each rank's gaps between compute actions.
+(``widgets._timeline._ready``). ``idle`` holds each rank's gaps between compute actions; ``vguide``
+the first micro-batch's forwards in stage order where the stages sit as a V (``widgets._vshape``).
 """
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ class PipelineTimeline(anywidget.AnyWidget):
     idle gaps (``.cl-idle``), p2p and collectives cut into waiting (``.cl-wait``) and moving data
     (``.cl-transfer``), a play/scrub replay in event order, the bubble beside theory and a planned overlay."""
 
-    _esm = view_module("pipeline_timeline.js")
+    _esm = view_module("vguide.js", "pipeline_timeline.js")
     _css = _STATIC / "pipeline_timeline.css"
 
     ranks = traitlets.List().tag(sync=True)  # lane order
     events = traitlets.Dict().tag(sync=True)  # _columns(...): one step, columnar
     idle = traitlets.Dict().tag(sync=True)  # _idle(...): {rank, start, end} gaps between compute actions
+    vguide = traitlets.Dict().tag(sync=True)  # _vshape.v_path(...): the V of ZBV/DualPipeV, empty otherwise
     planned = traitlets.Dict().tag(sync=True)  # _planned_layout(...): {rank, stage, kind, mb, start, end}
     plan_match = traitlets.Dict().tag(sync=True)  # str(rank) -> measured order == planned order
     mean_ms = traitlets.Dict().tag(sync=True)  # letter -> measured mean duration, ms
@@ -51,6 +53,7 @@ class PipelineTimeline(anywidget.AnyWidget):
     cursor_ms = traitlets.Float(-1.0).tag(sync=True)  # replay position; negative: the whole step
     show_planned = traitlets.Bool(False).tag(sync=True)
     play_seconds = traitlets.Float(6.0).tag(sync=True)  # wall time of one replay
+    present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, events: Any = None, bubble: Any = None, planned: dict | None = None, *,
                  step: int | None = None, **kwargs: Any) -> None:
@@ -86,11 +89,13 @@ def _bubble_text(b: dict[str, Any], step_ms: float) -> str:
 
 _LEGEND_TEXT = {"F": "F forward", "B": "B backward (full)", "I": "I backward, input grad",
                 "W": "W backward, weight grad", "wait": "waiting for the peer (hatched)",
-                "transfer": "transfer: data moving (solid)", "optimizer": "optimizer step", "idle": "idle (blank)"}
+                "transfer": "transfer: data moving (solid)", "optimizer": "optimizer step", "idle": "idle (blank)",
+                "vguide": "V: first micro-batch's forwards (dashed)"}
 _STYLE = {"wait": {"facecolor": "white", "edgecolor": "#c0392b", "hatch": "////", "linewidth": 0.3},
           "transfer": {"facecolor": "#c0392b", "edgecolor": "none"},
           "optimizer": {"facecolor": "#9c755f", "edgecolor": "none"},
-          "idle": {"facecolor": "none", "edgecolor": "#bbbbbb", "linestyle": ":", "linewidth": 0.5}}
+          "idle": {"facecolor": "none", "edgecolor": "#bbbbbb", "linestyle": ":", "linewidth": 0.5},
+          "vguide": {"facecolor": "none", "edgecolor": "black", "linestyle": "--", "linewidth": 0.8}}
 
 
 def _box_label(mb: Any, chunk: int | None, chunks: int) -> str:
@@ -101,7 +106,8 @@ def _box_label(mb: Any, chunk: int | None, chunks: int) -> str:
 def plot_timeline(events: Any, bubble: Any = None, *, step: int | None = None):
     """Static fallback: a Gantt chart, one lane per rank; compute boxes (gid ``box:<letter>``) shaded and
     labelled per chunk, idle gaps (gid ``idle``), comm strips cut into ``wait`` (hatched) and ``transfer``
-    (solid), the optimizer (``comm``), and a legend in the fixed order F, B, I, W, wait, transfer, ..."""
+    (solid), the optimizer (``comm``), the V guide of ZBV/DualPipeV (gid ``vguide``), and a legend in the fixed order
+    F, B, I, W, wait, transfer, ..."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
@@ -137,6 +143,11 @@ def plot_timeline(events: Any, bubble: Any = None, *, step: int | None = None):
     for rank, start, end in zip(state["idle"]["rank"], state["idle"]["start"], state["idle"]["end"]):
         present.add("idle")
         ax.add_patch(Rectangle((start, lanes[rank] - 0.4), end - start, 0.62, gid="idle", **_STYLE["idle"]))
+    guide = state["vguide"]
+    if guide["rank"]:
+        present.add("vguide")
+        ax.plot(guide["mid"], [lanes[r] - 0.09 for r in guide["rank"]], color="black", linestyle="--", linewidth=0.8,
+                gid="vguide")
     handles = [Patch(label=_LEGEND_TEXT[k], **({"facecolor": SHADES[k][0]} if k in KINDS else _STYLE[k]))
                for k in LEGEND_ORDER if k in present]
     handles += [Patch(facecolor=SHADES["F"][c], label=f"chunk {c} (shade)") for c in range(chunks if chunks > 1 else 0)]

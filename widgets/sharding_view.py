@@ -39,6 +39,7 @@ class ShardingView(anywidget.AnyWidget):
     phases = traitlets.List().tag(sync=True)  # FSDP step-through (empty otherwise)
     phase = traitlets.Int(-1).tag(sync=True)  # -1: at rest; else an index into phases
     interval_ms = traitlets.Int(700).tag(sync=True)
+    present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, layout: Any = None, **kwargs: Any) -> None:
         view = _sharding_view(layout if layout is not None else [])

@@ -26,6 +26,7 @@ function card(r) {
 function render({ model, el }) {
   const root = h("div", "cl-cluster");
   el.appendChild(root);
+  presentMode(model, root);
   function draw() {
     root.replaceChildren();
     root.appendChild(h("div", "cl-cluster-summary", model.get("summary")));

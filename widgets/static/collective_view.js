@@ -74,6 +74,7 @@ function renderIO(view) {
 function render({ model, el }) {
   const root = h("div", "cl-collective");
   el.appendChild(root);
+  presentMode(model, root);
   let timer = null;
 
   const stop = () => { if (timer) clearInterval(timer); timer = null; };

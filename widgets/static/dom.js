@@ -6,6 +6,13 @@ function h(tag, cls, text) {
   return e;
 }
 
+// Present mode (a view's `present` trait): `.cl-present` on the view's root, kept in step with the trait.
+function presentMode(model, root) {
+  const apply = () => root.classList.toggle("cl-present", !!model.get("present"));
+  model.on("change:present", apply);
+  apply();
+}
+
 // Button icons drawn as SVG: font glyphs such as U+23F8 (pause) are missing from some system fonts.
 const ICON_PATHS = { play: "M3 2 L13 8 L3 14 Z", pause: "M3 2 H6 V14 H3 Z M10 2 H13 V14 H10 Z",
   back: "M13 2 L3 8 L13 14 Z", next: "M2 2 L10 8 L2 14 Z M11 2 H14 V14 H11 Z" };

@@ -2,11 +2,11 @@
 // `.cl-mem-seg[data-category]` beside the predicted one (`.cl-mem-predicted`), and a `.cl-mem-formula`
 // tick at the ZeRO reference. `.cl-mem-moment[data-moment]` buttons write `moment`. Every bar shares one scale,
 // read on the `.cl-mem-axis` (bytes, `.cl-mem-tick` labels); under each rank a `.cl-mem-table` gives the
-// measured and predicted bytes per category.
+// measured and predicted bytes per category, and a `.cl-mem-parts` table the activations by part (when measured).
 
 const LABELS = { params: "parameters", grads: "gradients", optimizer: "optimizer state",
   activations: "activations", other: "other" };
-const COLORS = { params: "#4e79a7", grads: "#f28e2b", optimizer: "#59a14f", activations: "#e15759", other: "#bab0ac" };
+// Colours by data-category (as widgets/memory_view.py COLORS); present mode swaps in the Okabe-Ito palette.
 const CSS = `
 .cl-memory { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px;
   color: var(--jp-ui-font-color1, #222); }
@@ -34,6 +34,27 @@ const CSS = `
 .cl-mem-table { font-size: 10px; border-collapse: collapse; margin-top: 2px; }
 .cl-mem-table td, .cl-mem-table th { padding: 0 3px; text-align: right; font-weight: normal; }
 .cl-mem-table th { color: #555; }
+.cl-mem-parts { font-size: 10px; border-collapse: collapse; margin-top: 4px; }
+.cl-mem-parts td, .cl-mem-parts th { padding: 0 3px; text-align: right; font-weight: normal; }
+.cl-mem-parts caption { caption-side: bottom; font-size: 9px; color: #555; }
+.cl-present .cl-mem-parts { font-size: 13px; }
+.cl-mem-seg, .cl-mem-swatch { background: #999; }
+[data-category="params"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #4e79a7; }
+[data-category="grads"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #f28e2b; }
+[data-category="optimizer"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #59a14f; }
+[data-category="activations"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #e15759; }
+[data-category="other"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #bab0ac; }
+.cl-memory.cl-present { font-size: 16px; }
+.cl-present :is(.cl-mem-tick, .cl-mem-axis-label, .cl-mem-total, .cl-mem-table, .cl-mem-table th) { font-size: 13px;
+  color: #000; }
+.cl-present .cl-mem-label { font-size: 14px; }
+.cl-present .cl-mem-bar { width: 36px; }
+.cl-present .cl-mem-predicted .cl-mem-seg { opacity: 0.55; border: 2px dashed #000; }
+.cl-present [data-category="params"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #0072b2; }
+.cl-present [data-category="grads"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #e69f00; }
+.cl-present [data-category="optimizer"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #009e73; }
+.cl-present [data-category="activations"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #d55e00; }
+.cl-present [data-category="other"]:is(.cl-mem-seg, .cl-mem-swatch) { background: #999999; }
 `;
 
 function bytes(v) {
@@ -82,6 +103,25 @@ function table(b, cats) {
   return t;
 }
 
+// The activations by the part of the model that saved them, each with the source of its number.
+function partsTable(b) {
+  const parts = Object.entries(b.activation_parts || {});
+  if (!parts.length) return "";
+  const t = h("table", "cl-mem-parts");
+  const head = t.appendChild(h("tr"));
+  head.append(h("th", null, "activations by part"), h("th", null, "measured"));
+  const total = parts.reduce((a, [, v]) => a + (v.measured || 0), 0);
+  for (const [part, v] of parts.sort((x, y) => (y[1].measured || 0) - (x[1].measured || 0))) {
+    const row = t.appendChild(h("tr"));
+    row.dataset.part = part;
+    row.title = v.source;
+    const share = total ? ` (${((100 * v.measured) / total).toFixed(0)}%)` : "";
+    row.append(h("th", null, part), h("td", "cl-mem-part-bytes", `${bytes(v.measured)}${share}`));
+  }
+  t.appendChild(h("caption", null, "source: measured (hover a row)"));
+  return t;
+}
+
 function bar(cls, values, b, scale, cats, what) {
   const col = h("div", `cl-mem-bar ${cls}`);
   for (const cat of cats) {
@@ -90,7 +130,6 @@ function bar(cls, values, b, scale, cats, what) {
     seg.dataset.category = cat;
     seg.dataset.bytes = values[cat];
     seg.style.height = `${(100 * values[cat]) / scale}%`;
-    seg.style.background = COLORS[cat] || "#999";
     const note = b.notes[cat] ? `\n${b.notes[cat]}` : "";
     seg.title = `rank ${b.rank} · ${LABELS[cat] || cat} · ${what}: ${bytes(values[cat])}${note}`;
     col.appendChild(seg);
@@ -122,7 +161,7 @@ function render({ model, el }) {
     for (const cat of cats) {
       const item = h("span", "cl-mem-legend-item");
       const sw = h("span", "cl-mem-swatch");
-      sw.style.background = COLORS[cat];
+      sw.dataset.category = cat;
       item.append(sw, LABELS[cat] || cat);
       legend.appendChild(item);
     }
@@ -145,16 +184,17 @@ function render({ model, el }) {
       const cuda = b.cuda_max_allocated === null ? "" : ` · cuda max ${bytes(b.cuda_max_allocated)}`;
       col.append(area, h("div", "cl-mem-label", `rank ${b.rank}`),
         h("div", "cl-mem-total", `total: measured ${bytes(b.total)} · predicted ${bytes(b.predicted_total)}${cuda}`),
-        table(b, cats));
+        table(b, cats), partsTable(b));
       ranks.appendChild(col);
     }
     const plot = h("div", "cl-mem-plot");
     plot.append(axis(t), ranks);
     frag.append(tabs, legend, plot);
     root.replaceChildren(frag);
+    root.classList.toggle("cl-present", model.get("present"));
   }
 
-  for (const name of ["moment", "bars", "moments", "scale"]) model.on(`change:${name}`, draw);
+  for (const name of ["moment", "bars", "moments", "scale", "present"]) model.on(`change:${name}`, draw);
   draw();
 }
 

@@ -3,7 +3,8 @@
 // `.cl-idle` gaps between them (blank), and `.cl-comm` strips (send, recv, collectives, optimizer) cut into
 // `.cl-wait` (hatched: blocked before the peer arrived) and `.cl-transfer` (solid: data moving); a `.cl-axis` in ms;
 // replay in event order with `.cl-play` and `.cl-scrub`; the bubble in `.cl-bubble`; the planned order as
-// `.cl-planned-box` rows shown by `.cl-planned-toggle`. Reads every trait; writes `cursor_ms` and
+// `.cl-planned-box` rows shown by `.cl-planned-toggle`; a dashed `.cl-vguide` on V schedules; `.cl-present` on the
+// root in present mode. Reads every trait; writes `cursor_ms` and
 // `show_planned`. The DOM is built once per state change (one DocumentFragment); the time that took,
 // layout included, is written to `.cl-timeline[data-render-ms]`.
 
@@ -13,7 +14,8 @@ const LEGEND = [["F", "F forward"], ["B", "B backward (full)"],
   ["wait", "waiting (hatched): blocked in send/recv/collective before the peer was there"],
   ["transfer", "transfer (solid): data moving, both sides in"],
   ["optimizer", "optimizer step"],
-  ["idle", "idle (blank): no compute on this rank"]]; // fixed order, whatever the data's order
+  ["idle", "idle (blank): no compute on this rank"],
+  ["vguide", "dashed V: the first micro-batch's forwards, down the ranks and back up"]]; // fixed order
 
 const pct = (v, span) => `${(100 * v) / span}%`;
 const f3 = (v) => (v === null || v === undefined ? "n/a" : Number(v).toFixed(3));
@@ -286,6 +288,7 @@ function render({ model, el }) {
       else { if (r > c.start[i]) present.add("wait"); if (c.end[i] > r) present.add("transfer"); }
     });
     if (idle.rank.length) present.add("idle");
+    if ((model.get("vguide") || { rank: [] }).rank.length) present.add("vguide");
     ui = controls(model, present, chunks, p.rank.length > 0);
     ui.play.onclick = play;
     ui.scrub.oninput = () => { stop(); showAt(Number(ui.scrub.value)); };
@@ -298,9 +301,12 @@ function render({ model, el }) {
     idleGaps(idle, tracks, span, items);
     items.sort((a, b) => a[1] - b[1]);
     pending = () => plannedBoxes(p, plans, span, chunks); // drawn on first show: the render stays one pass
+    const guide = model.get("vguide") || { rank: [] };
+    if (guide.rank.length) lanes.appendChild(vGuide(guide, model.get("ranks"), span));
     cursor = lanes.appendChild(h("div", "cl-cursor"));
     frag.append(lanes, axis(span));
     root.replaceChildren(frag);
+    root.classList.toggle("cl-present", model.get("present"));
     applyPlanned();
     showAt(model.get("cursor_ms"));
     void root.offsetHeight; // force layout so the number includes it
@@ -312,11 +318,12 @@ function render({ model, el }) {
     if (!queued) { queued = true; queueMicrotask(build); }
   }
 
-  for (const name of ["events", "idle", "planned", "ranks", "span_ms", "bubble", "plan_match"]) {
+  for (const name of ["events", "idle", "vguide", "planned", "ranks", "span_ms", "bubble", "plan_match"]) {
     model.on(`change:${name}`, rebuild);
   }
   model.on("change:cursor_ms", () => { if (raf === null && !queued) showAt(model.get("cursor_ms")); });
   model.on("change:show_planned", applyPlanned);
+  model.on("change:present", () => root.classList.toggle("cl-present", model.get("present")));
   build();
   return () => stop();
 }

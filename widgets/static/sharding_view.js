@@ -2,6 +2,8 @@
 // each tensor a `.cl-tensor` box holding a `.cl-shard` (the slice held; `.cl-shard-none`
 // when nothing is held). Elements are kept between redraws, so a new layout or an
 // FSDP phase moves the slices with CSS transitions.
+// Clicking a rank's label highlights what it holds in all three layers (`.cl-focused`, counts in `.cl-shard-focus`);
+// hovering a tensor outlines it on every rank (`.cl-same-tensor`) and says each rank's slice.
 // Reads tensors, rows, phases, phase, title, zero, sizes, interval_ms; writes phase.
 
 const LAYERS = [["params", "parameters"], ["grads", "gradients"], ["optim", "optimizer state"]];
@@ -24,6 +26,18 @@ function rowLabel(r) {
   return `rank ${r.rank} · ${c}${stages} · blocks ${r.blocks.join(",") || "-"}`;
 }
 
+// Elements of tensor t inside extent [d0 start, d0 stop, d1 start, d1 stop] (null: none).
+function heldCount(t, ext) {
+  if (!ext) return 0;
+  const n = t.shape.reduce((a, b) => a * b, 1), n0 = t.shape[0] || 1, n1 = t.shape.length > 1 ? t.shape[1] : 1;
+  const [a, b, c, d] = ext;
+  return (b - a) * (t.shape.length > 1 ? d - c : 1) * (t.shape.length > 2 ? n / (n0 * n1) : 1);
+}
+
+function sliceText(t, ext) {
+  return ext ? `dim0 ${ext[0]}:${ext[1]}` + (t.shape.length > 1 ? `, dim1 ${ext[2]}:${ext[3]}` : "") : "not held";
+}
+
 function render({ model, el }) {
   const root = h("div", "cl-sharding");
   el.appendChild(root);
@@ -35,7 +49,11 @@ function render({ model, el }) {
   const controls = h("div", "cl-phase-controls");
   const steps = h("div", "cl-phase-steps");
   const grid = h("div", "cl-shard-grid");
-  root.append(head, key, controls, steps, grid);
+  const HINT = "click a rank's label to see what it holds in all three rows; "
+    + "hover a tensor to see its slice on every rank";
+  const focus = h("div", "cl-shard-focus", HINT);
+  root.append(head, key, controls, steps, focus, grid);
+  let focused = null; // the rank whose holdings are highlighted
   let structure = "";
   let slices = new Map(); // "rank|layer|tensor index" -> .cl-shard element
   let timer = null;
@@ -58,7 +76,9 @@ function render({ model, el }) {
     rows.forEach((r) => {
       const row = h("div", "cl-shard-row");
       row.dataset.rank = r.rank;
-      row.appendChild(h("div", "cl-shard-label", rowLabel(r)));
+      const label = row.appendChild(h("div", "cl-shard-label", rowLabel(r)));
+      label.onclick = () => { focused = focused === r.rank ? null : r.rank; showFocus(); };
+      label.title = "click: highlight what this rank holds (parameters, gradients, optimizer state)";
       LAYERS.forEach(([layer, name]) => {
         const line = h("div", "cl-shard-layer");
         line.dataset.layer = layer;
@@ -68,6 +88,8 @@ function render({ model, el }) {
           const box = h("div", "cl-tensor");
           box.dataset.tensor = t.name;
           box.dataset.unit = t.unit;
+          box.onmouseenter = () => showTensor(i);
+          box.onmouseleave = () => showTensor(null);
           const s = h("div", "cl-shard-none");
           s.dataset.tensor = t.name;
           s.dataset.layer = layer;
@@ -93,10 +115,12 @@ function render({ model, el }) {
     s.style.height = `${(100 * (d - c)) / n1}%`;
     s.dataset.start = a;
     s.dataset.stop = b;
-    const where = ext ? `dim0 ${a}:${b}` + (t.shape.length > 1 ? `, dim1 ${c}:${d}` : "") : "not held";
+    const where = sliceText(t, ext);
     const n = t.shape.reduce((a, b) => a * b, 1);
-    const held = ext ? (b - a) * (t.shape.length > 1 ? d - c : 1) * (t.shape.length > 2 ? n / (n0 * n1) : 1) : 0;
-    s.parentElement.title = `${t.name} [${t.shape.join(", ")}] = ${n} elements, ${held} held here; `
+    const held = heldCount(t, ext);
+    s.dataset.held = held;
+    s.parentElement.title = `${t.name}: global shape [${t.shape.join(", ")}] = ${n} elements; `
+      + `local slice ${where} = ${held} elements held here; `
       + `${t.placements.join(",")}` +
       `${t.mesh_axes.length ? " on " + t.mesh_axes.join(",") : ""}: ${where}`;
   }
@@ -139,10 +163,46 @@ function render({ model, el }) {
     draw();
   }
 
+  function current() {
+    const phases = model.get("phases") || [];
+    const k = Math.min(model.get("phase"), phases.length - 1);
+    return k >= 0 ? phases[k] : null;
+  }
+
+  // What one rank holds across the three rows: its row stays, the others fade, and the counts are said.
+  function showFocus() {
+    const tensors = model.get("tensors") || [], rows = model.get("rows") || [];
+    const row = rows.find((r) => r.rank === focused);
+    root.classList.toggle("cl-focus-rank", !!row);
+    grid.querySelectorAll(".cl-shard-row").forEach((e) => {
+      e.classList.toggle("cl-focused", !!row && e.dataset.rank === String(focused));
+    });
+    if (!row) { focus.textContent = HINT; return; }
+    const total = tensors.reduce((a, t) => a + t.shape.reduce((x, y) => x * y, 1), 0);
+    const parts = LAYERS.map(([layer, name]) => {
+      const held = layerExtents(row, layer, current()).reduce((a, e, i) => a + heldCount(tensors[i], e), 0);
+      return `${name} ${held} of ${total} elements (${((100 * held) / (total || 1)).toFixed(1)}%)`;
+    });
+    focus.textContent = `rank ${row.rank} holds: ${parts.join(" · ")}`;
+  }
+
+  // One tensor on every rank: its boxes are outlined and the line says each rank's slice of it.
+  function showTensor(i) {
+    const tensors = model.get("tensors") || [], rows = model.get("rows") || [];
+    grid.querySelectorAll(".cl-same-tensor").forEach((e) => e.classList.remove("cl-same-tensor"));
+    if (i === null || !tensors[i]) { showFocus(); return; }
+    const t = tensors[i];
+    grid.querySelectorAll(".cl-tensor").forEach((e) => e.classList.toggle("cl-same-tensor", e.dataset.tensor === t.name));
+    const each = rows.map((r) => `r${r.rank} ${sliceText(t, layerExtents(r, "params", current())[i])}`);
+    focus.textContent = `${t.name}: global shape [${t.shape.join(", ")}], ${t.placements.join(",")}`
+      + `${t.mesh_axes.length ? " on " + t.mesh_axes.join(",") : ""} · parameters held: ${each.join(" · ")}`;
+  }
+
   function draw() {
     const tensors = model.get("tensors") || [], rows = model.get("rows") || [], phases = model.get("phases") || [];
     const k = Math.min(model.get("phase"), phases.length - 1);
     head.textContent = model.get("title") || "no layout";
+    root.classList.toggle("cl-present", model.get("present"));
     const key = JSON.stringify([tensors.map((t) => t.name), rows.map((r) => r.rank)]);
     const fresh = key !== structure;
     if (fresh) { build(tensors, rows); structure = key; }
@@ -158,9 +218,12 @@ function render({ model, el }) {
     if (fresh) requestAnimationFrame(() => requestAnimationFrame(apply)); // grow in from nothing
     else apply();
     drawControls(phases, k);
+    if (focused !== null) showFocus();
   }
 
-  ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes"].forEach((name) => model.on(`change:${name}`, draw));
+  for (const name of ["tensors", "rows", "phases", "phase", "strategy", "title", "sizes", "present"]) {
+    model.on(`change:${name}`, draw);
+  }
   draw();
   return () => stop();
 }

@@ -1,0 +1,86 @@
+"""Notebook 05 as a student runs it: JupyterLab in Debian's Chromium, Run All, every schedule drawn.
+
+Checks what a teacher projecting it needs: five measured timelines (naive, GPipe, 1F1B,
+interleaved 1F1B, ZBV), chunk labels on the boxes of the schedules that hold two chunks per
+rank, idle / waiting / transfer drawn as three distinct classes, the schedule gallery on one
+time axis, and no glyph that a system font may lack. A screenshot of every view is saved
+under test-artifacts/ (the paths are printed).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser
+from tests.test_browser_views import done_or_error, fail_on_error, screenshot
+from tests.test_widgets_browser import MISSING_GLYPHS
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "05_pipeline_parallel.ipynb"
+# The sweep's last line: every view is drawn by then. The last cell's measured-vs-theory check is
+# tests/test_notebooks.py's to make; a traceback from any cell before this line fails here.
+DONE = "m=16: measured"
+SCHEDULES = ["gpipe", "gpipe", "1f1b", "interleaved_1f1b", "zbv"]  # naive is GPipe with one micro-batch
+
+
+def _save(locator, name: str) -> Path:
+    locator.scroll_into_view_if_needed()
+    path = ARTIFACTS / name
+    locator.screenshot(path=str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+@pytest.mark.slow
+def test_notebook_05_draws_every_schedule_in_jupyterlab(tmp_path):
+    require_browser()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with browser_session(NOTEBOOK, tmp_path, done_text=done_or_error(DONE), timeout_s=420) as page:
+        fail_on_error(page)
+        timelines = page.locator(".cl-timeline")
+        for i in range(5):  # JupyterLab draws an output once it is near the viewport
+            page.locator(".cl-timeline").nth(i).scroll_into_view_if_needed()
+        assert timelines.count() == 5
+        heads = [timelines.nth(i).locator(".cl-bubble-head").inner_text() for i in range(5)]
+        assert [h.split(" ")[0] for h in heads] == SCHEDULES, heads
+
+        for i in (3, 4):  # interleaved 1F1B and ZBV: two chunks per rank, said on the box
+            view = timelines.nth(i)
+            assert view.locator(".cl-box[data-chunk='1']").count() > 0
+            labels = view.locator(".cl-box").all_inner_texts()
+            assert any(re.fullmatch(r"mb \d+ · chunk 1", t) for t in labels), labels[:8]
+        assert "chunk" not in " ".join(timelines.nth(2).locator(".cl-box").all_inner_texts())  # 1F1B: one chunk
+        assert timelines.nth(4).locator(".cl-vguide").count() == 1  # ZBV: the V guide
+        assert sum(timelines.nth(i).locator(".cl-vguide").count() for i in range(4)) == 0
+
+        styles = {}
+        for cls in ("cl-idle", "cl-wait", "cl-transfer"):
+            found = page.locator(f".cl-timeline .cl-track .{cls}")
+            assert found.count() >= 1, cls
+            styles[cls] = found.first.evaluate(
+                "e => { const s = getComputedStyle(e); return s.backgroundImage + '|' + s.backgroundColor; }")
+        assert len(set(styles.values())) == 3 and "gradient" in styles["cl-wait"], styles
+        assert page.locator(".cl-wait.cl-transfer, .cl-idle.cl-wait, .cl-idle.cl-transfer").count() == 0
+
+        text = page.locator(".jp-OutputArea").evaluate_all("els => els.map((e) => e.innerText).join(' ')")
+        assert not set(text) & set(MISSING_GLYPHS), sorted(set(text) & set(MISSING_GLYPHS))
+
+        names = ["naive", "gpipe", "1f1b", "interleaved_1f1b", "zbv"]
+        for i, name in enumerate(names):
+            _save(timelines.nth(i), f"notebook05_timeline_{name}.png")
+        check_gallery(page)
+        screenshot(page, "notebook05.png")
+
+
+def check_gallery(page) -> None:
+    """The gallery: one panel per schedule on one shared time axis, each with its bubble and theory."""
+    gallery = page.locator(".cl-gallery").first
+    gallery.scroll_into_view_if_needed()
+    gallery.locator(".cl-gallery-panel").nth(4).wait_for(timeout=10_000)
+    assert gallery.locator(".cl-gallery-panel").count() == 5
+    assert gallery.locator(".cl-gallery-axis .cl-tick").count() >= 3
+    assert gallery.locator(".cl-gallery-bubble-mean").count() == 5
+    assert gallery.locator(".cl-gallery-panel[data-name='ZBV zero bubble'] .cl-vguide").count() == 1
+    assert gallery.locator(".cl-gallery-panel .cl-box").count() > 0
+    _save(gallery, "notebook05_gallery.png")
