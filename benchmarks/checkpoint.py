@@ -9,7 +9,9 @@ One run on one pool prints:
   (model and AdamW state, whole) in this one process;
 - the step-time overhead of ``checkpoint_async=True`` at ``checkpoint_every=1`` against no
   checkpointing (and a synchronous save every step): the extra wall time per step of whole
-  runs (the saves happen between steps, outside the step clock), as a share of a step.
+  runs (the saves happen between steps, outside the step clock), as a share of a step;
+- ``Training.relayout`` DP4 -> TP2 x DP2 ZeRO-3 beside a torchrun relaunch that loads the same
+  checkpoint (``benchmarks/checkpoint_relayout.py``; 4 ranks only).
 
 Run: ``python benchmarks/checkpoint.py [--ranks 4] [--steps 8] [--d-model 256]``
 """
@@ -25,6 +27,7 @@ import warnings
 import torch
 
 import lab
+from checkpoint_relayout import relayout_vs_torchrun, report
 from kernels.checkpoint import load_checkpoint
 from kernels.model import GPT, GPTConfig
 from kernels.train import train_rank
@@ -100,11 +103,13 @@ def main() -> None:
         every = dict(checkpoint_dir=os.path.join(scratch, "every"), checkpoint_every=1)
         sync, _ = wall_per_step(cluster, model, args.steps, args.repeats, **every)
         background, _ = wall_per_step(cluster, model, args.steps, args.repeats, checkpoint_async=True, **every)
+        relayout = relayout_vs_torchrun(cluster, args.repeats) if args.ranks == 4 else None
     print(f"ZeRO-3 DP4, {args.steps} steps, median of {args.repeats} runs: wall per step (step clock {clock:.3f} s)")
     for label, wall in (("no checkpoints", none), ("sync save every step", sync),
                         ("async save every step", background)):
         print(f"  {label:<24} {wall:.3f} s/step  (+{wall - none:.3f} s per step: {(wall - none) / clock:+.1%} "
               f"of a step)")
+    print(report(relayout) if relayout else "relayout: DP4 -> TP2xDP2 needs --ranks 4")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ _master_store: dist.TCPStore | None = None
 # (gloo with CUDA tensors) or the CPU. None until join_world runs (e.g. under torchrun).
 _rank_device: torch.device | None = None
 _left_groups: list[weakref.ref] = []  # the groups the last leave_world() destroyed
+_on_leave: list[Callable[[], Any]] = []  # what holds groups of the world (kernels.live_training): freed first
 
 
 def describe_engine(controller_host: str) -> dict[str, Any]:
@@ -203,6 +204,8 @@ def leave_world() -> bool:
         return False
     from torch.distributed import distributed_c10d as c10d  # its group table is private
 
+    for release in _on_leave:
+        release()
     _left_groups = [weakref.ref(group) for group in c10d._world.pg_map]
     dist.destroy_process_group()
     if lingering_groups():
@@ -212,6 +215,11 @@ def leave_world() -> bool:
             getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's name -> group table
         gc.collect()
     return True
+
+
+def on_leave_world(release: Callable[[], Any]) -> None:
+    """Call ``release()`` at the start of every :func:`leave_world`, while the world's groups still exist."""
+    _on_leave.append(release)
 
 
 def lingering_groups() -> int:

@@ -41,6 +41,7 @@ _HOME = {
     "compare_schedules": "lab.compare", "plot_schedules": "lab.compare",
     "Slow": "lab.faults", "Hang": "lab.faults", "Crash": "lab.faults", "Kill": "lab.faults",
     "HangError": "lab.errors", "HangReport": "lab.hang_report",
+    "Training": "lab.training",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 _ALIASES = {"GPT": "GPTConfig"}

@@ -7,10 +7,16 @@ experiment's ``trace``/``measure`` options, then updates the loss table and ever
 below it in place: sharding always, the pipeline timeline when the layout has a pipeline
 and the experiment traces, memory when it measures. Once the pool stops, Run goes away
 and a note says why.
+
+"keep weights" trains on instead of starting over: the first Run builds a ``lab.Training``
+and trains ``exp.steps`` steps; each later Run moves its live weights and optimizer state
+to the shown layout (``Training.relayout``) and trains ``exp.steps`` more, and the loss
+table shows every step so far beside one process trained as long. Unticking it frees them.
 """
 from __future__ import annotations
 
 import html
+import math
 import time
 from typing import Any
 
@@ -20,6 +26,7 @@ from lab.experiment import Experiment
 from kernels.layout_rules import SCHEDULES
 from lab.parallel import Parallel, ParallelConfigError
 from lab.run_result import RunResult
+from lab.training import Training
 from widgets import MemoryView, PipelineTimeline, ShardingView
 
 
@@ -29,6 +36,7 @@ class Controls:
     def __init__(self, exp: Experiment) -> None:
         self.exp = exp
         self.result: RunResult | None = None
+        self.training: Training | None = None  # the kept weights, while "keep weights" is ticked
         self._reference: RunResult | None = None
         world, p = exp.cluster.world_size, exp.parallel
         sizes = [d for d in range(1, world + 1) if world % d == 0]
@@ -45,6 +53,8 @@ class Controls:
         }
         self.explanation = w.HTML()
         self.button = w.Button(description="Run", button_style="primary")
+        self.keep_weights = w.Checkbox(value=False, description="keep weights")
+        self.keep_weights.observe(lambda change: change["new"] or self._drop_training(), names="value")
         self.status = w.HTML()
         self.losses = w.HTML()
         self.sharding = ShardingView()
@@ -55,7 +65,7 @@ class Controls:
             field.observe(lambda _: self.validate(), names="value")
         self.button.on_click(lambda _: self.run())
         self.widget = w.VBox([w.HBox(list(self.fields.values())[:5]), w.HBox(list(self.fields.values())[5:]),
-                              self.explanation, w.HBox([self.button, self.status]), self.losses, self.sharding,
+                              self.explanation, w.HBox([self.button, self.keep_weights, self.status]), self.losses, self.sharding,
                               self.timeline, self.memory])
         self.widget.add_class("cl-controls")
         self.validate()
@@ -99,19 +109,42 @@ class Controls:
         self.status.value = f"running {html.escape(new.parallel.describe())} on {exp.cluster.world_size} ranks…"
         began = time.perf_counter()
         try:
-            self.result = new.run()
+            self.result = self._train_on(new) if self.keep_weights.value else new.run()
         except Exception as error:
             self.status.value = f"<span class='cl-failed'>failed: {html.escape(str(error).splitlines()[0])}</span>"
             raise
         finally:
             self.button.disabled = exp.cluster.stopped
-        if self._reference is None:
-            self._reference = exp.reference()
+        losses, reference = self._losses_beside_reference()
         self.status.value = f"done in {time.perf_counter() - began:.1f} s"
-        self.losses.value = _loss_table_html(self.result, self._reference)
+        self.losses.value = _loss_table_html(losses, reference)
         self.sharding.set_layout(self.result.layout)
         self._refresh_measured(self.result)
         return self.result
+
+    def _train_on(self, new: Experiment) -> RunResult:
+        """Keep weights: the kept Training moved to ``new``'s layout (built on the first Run), then ``steps`` more."""
+        options = dict(trace=new.trace, synthetic_forward_s=new.synthetic_forward_s, measure=new.measure)
+        if self.training is None:
+            self.training = Training(new.cluster, new.model, new.parallel, global_batch=new.global_batch, lr=new.lr,
+                                     seed=new.seed, compile=new.compile, **options)
+        elif self.training.parallel != new.parallel:
+            self.training.relayout(new.parallel, **options)
+        return self.training.step(new.steps)
+
+    def _drop_training(self) -> None:
+        training, self.training = self.training, None
+        if training is not None:
+            training.close()
+
+    def _losses_beside_reference(self) -> tuple[list[float], list[float]]:
+        """This run's losses (with kept weights: every step so far) and one process's over as many steps."""
+        exp = self.exp
+        losses = self.training.losses if self.training is not None else self.result.losses
+        if self._reference is None or len(self._reference.losses) != len(losses):
+            self._reference = Experiment(exp.cluster, exp.model, exp.parallel, global_batch=exp.global_batch,
+                                         steps=len(losses), lr=exp.lr, seed=exp.seed).reference()
+        return losses, self._reference.losses
 
     def _refresh_measured(self, result: RunResult) -> None:
         """The timeline and memory views follow the run; one the run did not record is hidden, not stale."""
@@ -127,9 +160,10 @@ class Controls:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-def _loss_table_html(result: RunResult, reference: RunResult) -> str:
+def _loss_table_html(losses: list[float], reference: list[float]) -> str:
     rows = "".join(f"<tr><td>{i}</td><td>{a:.6f}</td><td>{b:.6f}</td><td>{abs(a - b) / abs(b):.1e}</td></tr>"
-                   for i, (a, b) in enumerate(zip(result.losses, reference.losses)))
-    verdict = "equal to one process" if result.matches(reference) else "DIFFERENT from one process"
+                   for i, (a, b) in enumerate(zip(losses, reference)))
+    same = len(losses) == len(reference) and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses, reference))
+    verdict = "equal to one process" if same else "DIFFERENT from one process"
     return (f"<table class='cl-losses'><tr><th>step</th><th>loss</th><th>one process</th><th>rel. diff</th></tr>"
             f"{rows}</table><p>{html.escape(verdict)}</p>")

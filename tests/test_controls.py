@@ -54,3 +54,18 @@ def test_run_goes_away_with_a_note_once_the_pool_stops():
     assert "pool is stopped" in controls.status.value
     controls.fields["zero"].value = 1  # a valid change does not bring Run back
     assert controls.button.disabled
+
+
+def test_keep_weights_trains_on_across_layouts(cluster):
+    """Ticked, each Run moves the live weights to the shown layout and trains on; the table shows every step."""
+    pids = [r.pid for r in cluster.rank_map.ranks]
+    controls = Controls(lab.Experiment(cluster, TINY, lab.Parallel(dp=4), global_batch=8, steps=2))
+    controls.keep_weights.value = True
+    controls.run()
+    controls.fields["dp"].value, controls.fields["tp"].value, controls.fields["zero"].value = 2, 2, 3
+    result = controls.run()
+    assert result.config["tp"] == 2 and controls.training.steps_done == 4 and len(result.losses) == 2
+    assert controls.losses.value.count("<tr>") == 1 + 4 and "equal to one process" in controls.losses.value
+    assert [r.pid for r in cluster.rank_map.ranks] == pids
+    controls.keep_weights.value = False  # unticked: the kept weights are freed on the ranks
+    assert controls.training is None
