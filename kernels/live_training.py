@@ -47,6 +47,7 @@ from kernels.parallel.mesh import (build_hsdp_mesh, build_mesh, destroy_mesh_gro
 from kernels.parallel.parallelize import parallelize
 from kernels.parallel.strategy import GradSync
 from kernels.parallel.zero1 import owned_parameters
+from kernels.run_checkpoints import settle_ddp_buckets
 from kernels.run_config import RunConfig
 from kernels.step_hooks import PipelineTracer, StepHooks
 from kernels.train import _optimizer, _pipeline_records, dims_and_strategy
@@ -121,10 +122,8 @@ class LiveTraining:
         checkpoint_dir = self.run.checkpoint_dir
         for chunk in save_points(first, steps, self.run.checkpoint_every if checkpoint_dir else None):
             hooks = StepHooks(chunk, probe, tracer) if len(losses) + chunk == steps else StepHooks(chunk)
-            batches = BatchStream(dataset(self.run), steps=self.next_step + chunk, first_step=self.next_step,
-                                  global_batch=self.run.global_batch, dp_rank=dp_rank(self.mesh), dp=self.dims.dp,
-                                  device=self.device)
-            part = train_loop(self.step_fn, self.optimizer, batches, dp=self.dims.dp, dp_group=dp_group(self.mesh),
+            part = train_loop(self.step_fn, self.optimizer, self._batches(chunk), dp=self.dims.dp,
+                              dp_group=dp_group(self.mesh),
                               hooks=hooks, record_grad_norm=self.run.record_grad_norm)
             losses, times, norms = losses + part[0], times + part[1], norms + part[2]
             self.next_step += chunk
@@ -188,7 +187,14 @@ class LiveTraining:
             return meta
         meta = load_checkpoint(path, self.params_module, self.optimizer, process_group=self.group)
         self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
+        settle_ddp_buckets(self.step_fn, self._batches(1), self.optimizer)  # DDP's rebuilt buckets, as if never stopped
         return meta
+
+    def _batches(self, steps: int) -> BatchStream:
+        """This rank's share of the next ``steps`` global batches."""
+        return BatchStream(dataset(self.run), steps=self.next_step + steps, first_step=self.next_step,
+                           global_batch=self.run.global_batch, dp_rank=dp_rank(self.mesh), dp=self.dims.dp,
+                           device=self.device)
 
     def close(self) -> None:
         """Destroy this training's groups and drop its objects (their reference cycles collected)."""

@@ -11,9 +11,10 @@ from lab.errors import LabError
 TINY = dict(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq_len=16)
 
 
-def test_steps_continue_bit_for_bit(cluster, tmp_path):
+@pytest.mark.parametrize("parallel", [lab.Parallel(dp=2, tp=2, zero=3), lab.Parallel(dp=4)], ids=["tp2-dp2-zero3", "ddp"])
+def test_steps_continue_bit_for_bit(cluster, tmp_path, parallel):
     """step(2) then step(1) is one 3-step Experiment's computation, to the bit; so is a save loaded and stepped."""
-    model, parallel = lab.GPT(**TINY), lab.Parallel(dp=2, tp=2, zero=3)
+    model = lab.GPT(**TINY)
     whole = lab.Experiment(cluster, model, parallel, steps=3).run(return_params=True)
     with lab.Training(cluster, model, parallel) as training:
         first = training.step(2)
