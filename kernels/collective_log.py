@@ -242,8 +242,10 @@ class CollectiveLog:
 
     # -------------------------------------------------------------- accounting
     def _reset_step(self, now: float) -> None:
+        # [seconds so far, open count, opened at]; a collective still open from the last step counts on
+        open_grad = sum(c.phase == "backward" for c in self._open.values())
         self._step_began, self._entered = now, 0
-        self._wait, self._grad = [0.0, 0, 0.0], [0.0, 0, 0.0]  # [seconds so far, open count, opened at]
+        self._wait, self._grad = [0.0, len(self._open), now], [0.0, open_grad, now]
 
     def _spans_opened(self, grad: bool) -> None:
         self._entered += 1

