@@ -222,6 +222,11 @@ class CollectiveLog:
         self._reset_step(now)
         self._publish()
 
+    def step_wait_so_far(self) -> float:
+        """Seconds the current step has spent inside collectives until now."""
+        self._take_completed()
+        return self._wait[0] + (time.perf_counter() - self._wait[2] if self._wait[1] else 0.0)
+
     def finish(self) -> list[StepWait]:
         """The last step ends; returns every step's ``StepWait``."""
         self._take_completed()

@@ -86,10 +86,14 @@ class ProgressReporter:
     """Per-step records and the stop agreement for one run; use as a context manager around the loop."""
 
     def __init__(self, steps: int, tokens_per_step: int, device: torch.device, model: torch.nn.Module | None = None,
-                 publish: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 publish: Callable[[dict[str, Any]], None] | None = None,
+                 waited: Callable[[], float] | None = None) -> None:
         self.rank, self.steps, self.tokens, self.device = dist.get_rank(), steps, tokens_per_step, device
         self.model, self.publish = model, publish
-        self.waits = WaitClock()
+        # The collective log, when the run keeps one, already times every collective of the step
+        # (its DDP comm hook leaves no room for the clock's); else the clock times Work.wait.
+        self.waits = WaitClock() if waited is None else None
+        self.waited = waited if waited is not None else self.waits.take
         self.flag = torch.zeros(1, device=device)
         self.flag_work: tuple[Any, _Late | None] | None = None  # (gloo work, or a GPU's late read)
         self.pending: dict[str, Any] | None = None  # a GPU's step, sent when the next one ends
@@ -98,14 +102,16 @@ class ProgressReporter:
 
     def __enter__(self) -> "ProgressReporter":
         arm_stop()
-        self.waits.install()
-        if self.model is not None:
-            self.waits.watch_ddp(self.model)
+        if self.waits is not None:
+            self.waits.install()
+            if self.model is not None:
+                self.waits.watch_ddp(self.model)
         self._send({ARMED_KEY: self.rank})
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.waits.remove()
+        if self.waits is not None:
+            self.waits.remove()
         if self.pending is not None and exc[0] is None:
             self._report(self.pending)
         self.pending = None
@@ -113,7 +119,7 @@ class ProgressReporter:
     def step_done(self, step: int, loss: torch.Tensor, clock: Any) -> bool:
         """After step ``step`` (its loss on the device, its marks in ``clock``): report it; True to stop now."""
         stop = self._stop_agreed()
-        done = {"step": step, "loss": _Late(loss), "marks": clock.marks[step], "collective_s": self.waits.take(),
+        done = {"step": step, "loss": _Late(loss), "marks": clock.marks[step], "collective_s": self.waited(),
                 "memory": self._memory()}
         if self.device.type == "cuda":  # send the previous step now (finished), keep this one
             if self.pending is not None:
@@ -168,8 +174,12 @@ class ProgressReporter:
 
 
 def reporter_for(steps: int, tokens_per_step: int, device: torch.device, step_fn: Any,
-                 world_size: int | None) -> contextlib.AbstractContextManager:
-    """The run's reporter (as a context manager), watching the step function's DDP module if it has one."""
+                 world_size: int | None, waited: Callable[[], float] | None = None) -> contextlib.AbstractContextManager:
+    """The run's reporter (as a context manager), watching the step function's DDP module if it has one.
+
+    ``waited()``, when given, is this step's time in collectives so far (the collective log's).
+    """
     if world_size not in (None, dist.get_world_size()):
         raise ValueError("progress agrees on stopping over every rank of the process group: train on all of them")
-    return ProgressReporter(steps, tokens_per_step, device, getattr(step_fn, "model", None), engine_publisher())
+    return ProgressReporter(steps, tokens_per_step, device, getattr(step_fn, "model", None), engine_publisher(),
+                            waited)

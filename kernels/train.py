@@ -139,7 +139,8 @@ def _loop(run: RunConfig, dims: ParallelDims, mesh, step_fn, optimizer, hooks: S
         settle_ddp_buckets(step_fn, batches, optimizer)
     watched = watch.batches(batches) if watch is not None else batches
     progress = reporter_for(run.steps - ckpt.first_step, run.global_batch * model_config(run).seq_len, device,
-                            step_fn, run.world_size) if run.progress else None
+                            step_fn, run.world_size, watch.log.step_wait_so_far if watch is not None else None) \
+        if run.progress else None
     with progress or contextlib.nullcontext():
         out = train_loop(step_fn, optimizer, watched, dp=dims.dp, dp_group=dp_group(mesh), hooks=hooks,
                          record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step, progress=progress)

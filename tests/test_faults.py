@@ -17,6 +17,7 @@ import lab
 from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state, straggler
 from lab.faults import fault_problems
 from lab.hang_report import RankDoing, build_report
+from widgets.training_dashboard import rank_rows
 
 MODEL = dict(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 HANG_AFTER_S = 3.0
@@ -198,3 +199,5 @@ def test_slow_rank_makes_the_others_wait_in_the_gradient_all_reduce_for_about_th
     their_compute = statistics.mean(compute[r] for r in others)
     assert abs(growth - their_compute) <= 0.25 * their_compute, (growth, their_compute, before, after)
     assert straggler(slow.step_waits) == 2 and straggler(base.step_waits) is None
+    marked = [row["rank"] for row in rank_rows(slow.progress, 4, finished=True) if row["straggler"]]
+    assert marked == [2]  # the dashboard's own rows, from the live progress records
