@@ -2,9 +2,9 @@
 
 A real-compute DP run on the local pool: each repetition runs the same experiment
 twice, ``run(progress=False)`` (the ranks send nothing, no stop flag) and
-``start().wait()`` (one StepProgress per step through ipyparallel's data channel, the
-async stop-flag all_reduce, Work.wait timed, DDP's comm hook), alternating which goes
-first. The figure is the median step time of the slowest rank, first step left out; on a busy
+``start().wait()`` (one StepProgress per step through ipyparallel's data channel and the
+async stop-flag all_reduce; both keep the collective log every Experiment run keeps),
+alternating which goes first. The figure is the median step time of the slowest rank, first step left out; on a busy
 machine the median of each adjacent pair's ratio and the fastest step of each mode (the
 least disturbed) are printed too. The pool defaults to one rank per core, so ranks do not
 time-share cores. Goal: on / off ≤ 1.03.
