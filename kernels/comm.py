@@ -132,14 +132,8 @@ class CommMeter:
     @contextlib.contextmanager
     def patch_dist(self) -> Iterator["CommMeter"]:
         """Wrap the ``torch.distributed`` collectives (namespace attributes) while active."""
-        originals = {n: getattr(dist, n) for n in self._dist_names()}
-        for n, fn in originals.items():
-            setattr(dist, n, self._wrap(n, fn))
-        try:
+        with patched_dist_names(self._dist_names(), self._wrap):
             yield self
-        finally:
-            for n, fn in originals.items():
-                setattr(dist, n, fn)
 
     @contextlib.contextmanager
     def active(self) -> Iterator["CommMeter"]:
@@ -149,6 +143,23 @@ class CommMeter:
         self.debug_counts = {str(k): v for k, v in debug.get_comm_counts().items()}
         self.unmetered = unmetered(self.debug_counts, self.rows)
 
+
+
+@contextlib.contextmanager
+def patched_dist_names(names: list[str], wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """While active, each ``torch.distributed.<name>`` in ``names`` is ``wrap(name, original)``; restored after.
+
+    Only the namespace attribute changes: callers that imported a function, or call c10d's
+    own module, reach the original (the lab's own bookkeeping collectives rely on that).
+    """
+    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+    for n, fn in originals.items():
+        setattr(dist, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
 
 
 # CommDebugMode's names for c10d (non-functional) collectives -> our op names

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels import faults as fault_kinds
 from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state
-from kernels.comm import _DIST_OPS, route_ddp_through_python
+from kernels.comm import _DIST_OPS, patched_dist_names, route_ddp_through_python
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
 # gloo's p2p works have no future to log their end with.
@@ -73,14 +73,10 @@ class RankWatch:
     @contextlib.contextmanager
     def patched(self) -> Iterator["RankWatch"]:
         """Wrap the ``torch.distributed`` collectives while active."""
-        originals = {n: getattr(dist, n) for n in _OPS if hasattr(dist, n)}
-        for n, fn in originals.items():
-            setattr(dist, n, self._wrap(n, fn))
         try:
-            yield self
+            with patched_dist_names(list(_OPS), self._wrap):
+                yield self
         finally:
-            for n, fn in originals.items():
-                setattr(dist, n, fn)
             for handle in self._handles:
                 handle.remove()
             self.log.close()

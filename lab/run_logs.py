@@ -10,6 +10,7 @@ rank's curves sit in one dashboard, grouped by their ``rank<r>/`` prefix.
 """
 from __future__ import annotations
 
+import abc
 import importlib.util
 from typing import Any
 
@@ -28,7 +29,7 @@ def step_aggregate(records: list[StepProgress]) -> dict[str, float]:
             "all/collective_s_mean": sum(waits) / len(waits), "all/collective_s_max": max(waits)}
 
 
-class _StepLog:
+class _StepLog(abc.ABC):
     """Scalars per rank as records come, and each step's aggregate once every rank has sent it."""
 
     def __init__(self, world_size: int) -> None:
@@ -44,11 +45,13 @@ class _StepLog:
                 self.scalars(record.step, step_aggregate([ranks[r] for r in sorted(ranks)]))
                 del self._by_step[record.step]
 
+    @abc.abstractmethod
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Write ``values`` (name -> number) at ``step``."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Flush and close the log."""
 
 
 class TensorBoardLog(_StepLog):

@@ -5,6 +5,7 @@ Never downloads a browser: it uses ``/usr/bin/chromium`` (``apt-get install chro
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import shutil
 import socket
@@ -21,6 +22,18 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def write_code_notebook(path: Path, sources: list[str]) -> Path:
+    """A notebook at ``path`` (its folder made) with one unrun code cell per source; returns ``path``."""
+    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+             for src in sources]
+    notebook = {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
+                "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                             "language_info": {"name": "python"}}}
+    path.parent.mkdir()
+    path.write_text(json.dumps(notebook))
+    return path
 
 
 def require_browser() -> None:

@@ -1,13 +1,12 @@
 """The training dashboard in a real browser: a row per rank, live updates while a run goes, the stale marker."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.jupyter_browser import ARTIFACTS, notebook_running, require_browser, wait_for_output
+from tests.jupyter_browser import ARTIFACTS, notebook_running, require_browser, wait_for_output, write_code_notebook
 
 CELLS = [
     "import time, warnings\nimport lab\nwarnings.simplefilter('ignore')\n"
@@ -24,15 +23,7 @@ CELLS = [
 
 
 def write_notebook(tmp_path: Path) -> Path:
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
-             for src in CELLS]
-    notebook = {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
-                "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                             "language_info": {"name": "python"}}}
-    path = tmp_path / "src" / "dashboard_demo.ipynb"
-    path.parent.mkdir()
-    path.write_text(json.dumps(notebook))
-    return path
+    return write_code_notebook(tmp_path / "src" / "dashboard_demo.ipynb", CELLS)
 
 
 def kill_pool_left_by(tmp_path: Path) -> None:

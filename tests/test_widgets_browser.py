@@ -8,7 +8,7 @@ import pytest
 
 from kernels.records import TraceEvent
 from lab.timeline import bubble, simulate
-from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser
+from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser, write_code_notebook
 from tests.test_widgets import collective_records, layout_records, rank_status
 from tests.test_widgets_timeline import mem_records, trace_events
 from widgets import ShardingView
@@ -66,15 +66,7 @@ def write_notebook(tmp_path: Path) -> Path:
     records["f1b"] = trace_events(pp=4, m=8)
     records["f1b_bubble"] = bubble(records["f1b"], "1f1b", 4, 8, synthetic=True).to_dict()
     (tmp_path / "records.json").write_text(json.dumps(records))
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
-             for src in CELLS]
-    notebook = {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
-                "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                             "language_info": {"name": "python"}}}
-    path = tmp_path / "src" / "widgets_demo.ipynb"
-    path.parent.mkdir()
-    path.write_text(json.dumps(notebook))
-    return path
+    return write_code_notebook(tmp_path / "src" / "widgets_demo.ipynb", CELLS)
 
 
 @pytest.mark.slow
