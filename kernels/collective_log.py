@@ -39,6 +39,7 @@ from kernels.records import Record
 SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
 MAX_OPEN = 8  # oldest open collectives kept in a snapshot (the one a rank is stuck behind is the oldest)
 _HEADER = struct.Struct("<QI")  # sequence counter (odd while writing), JSON length
+BEACON_KEY = "watch"  # the data key under which a rank's beacon sends its state (kernels.flight_recorder)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,11 @@ class CollectiveLog:
         self._step_began = 0.0
         self._reset_step(time.perf_counter())
         self._publish()
+
+    @property
+    def path(self) -> str:
+        """The state file this log publishes to."""
+        return self._file.path
 
     # ----------------------------------------------------------------- state
     def enter(self, op: str, group: str, ranks: tuple[int, ...], nbytes: int) -> int:

@@ -16,7 +16,10 @@ training run:
 - actions: forward pre/post hooks on the trained modules, a gradient hook on each
   output (backward starts), the optimizer's step pre-hook; the first forward of a step
   is where step faults strike;
-- steps: ``batches(stream)`` wraps the batch stream, so each batch drawn starts a step.
+- steps: ``batches(stream)`` wraps the batch stream, so each batch drawn starts a step;
+- the driver on another host: on an engine, a ``kernels.flight_recorder.WatchBeacon``
+  thread sends the state, and torch's flight-recorder summary, over ipyparallel while
+  the run goes.
 
 ``finish()`` returns the per-step ``StepWait`` records (time inside collectives, in the
 gradient sync, and the rest). Costs about 2 state writes per collective and per action
@@ -42,8 +45,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels import faults as fault_kinds
+from kernels import flight_recorder
 from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state
 from kernels.comm import _DIST_OPS, patched_dist_names, route_ddp_through_python
+from kernels.progress import engine_publisher
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
 # gloo's p2p works have no future to log their end with.
@@ -63,6 +68,9 @@ class RankWatch:
             if f["kind"] == "slow":
                 self.log.note_fault(f"{fault_kinds.describe(f)} from the start")
         self._names = _group_names(meshes)
+        publish = engine_publisher()
+        self._beacon = None if publish is None else flight_recorder.WatchBeacon(
+            self.log.path, publish, flight_recorder.mesh_axis_names(meshes))
         self._ranks: dict[int, tuple[int, ...]] = {}
         self._local = threading.local()
         self._handles: list[Any] = []
@@ -73,12 +81,16 @@ class RankWatch:
     @contextlib.contextmanager
     def patched(self) -> Iterator["RankWatch"]:
         """Wrap the ``torch.distributed`` collectives while active."""
+        if self._beacon is not None:
+            self._beacon.start()
         try:
             with patched_dist_names(list(_OPS), self._wrap):
                 yield self
         finally:
             for handle in self._handles:
                 handle.remove()
+            if self._beacon is not None:
+                self._beacon.stop()
             self.log.close()
 
     def _group(self, group: Any) -> tuple[str, tuple[int, ...]]:

@@ -309,3 +309,16 @@ class LayoutRecord(Record):
     stage_layers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # str(stage) -> its block indices
 
     _nested: ClassVar[dict[str, type[Record]]] = {"params": ParamLayout}
+
+
+@dataclass(frozen=True)
+class FlightGroup(Record):
+    """One process group as torch's flight recorder saw it on one rank (``kernels.flight_recorder``)."""
+
+    group: str  # the process group's name in c10d ("0" is the world)
+    axis: str  # its mesh axis ("dp", "tp", "pp"), "" for other groups
+    ranks: tuple[int, ...]  # its global ranks
+    last_seq: int  # the group's sequence number of the last collective this rank entered
+    last_op: str  # that collective, as c10d names it ("gloo:all_reduce", "nccl:reduce_scatter" ...)
+    last_done_seq: int  # the last one that finished on this rank
+    nbytes: int = 0  # the last collective's input bytes

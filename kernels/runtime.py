@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels import stack_report
+from kernels import flight_recorder, stack_report
 
 # These torch modules give functions the default argument ``group=dist.group.WORLD``, which
 # Python evaluates once, at the module's first import. Imported while a world exists (training
@@ -145,6 +145,7 @@ def join_world(spec: dict[str, Any]) -> dict[str, Any]:
     timeout = timedelta(seconds=float(spec["timeout_s"]))
     store = _master_store if rank == 0 else dist.TCPStore(
         spec["master_addr"], int(spec["port"]), world, is_master=False, timeout=timeout)
+    flight_recorder.enable()  # read when the group is made: hang reports use torch's own record
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world,
                             timeout=timeout, device_id=_device_id(spec["device"]))
     _master_store = None

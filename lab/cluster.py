@@ -139,6 +139,8 @@ class Cluster(WorldKeeper, FailureReporter):
         pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
         for listener in list(self._submit_listeners):
             listener(pending)
+        if hang_watch is not None:
+            hang_watch.follow(pending)
         for r in targets:
             self._states[r] = ("busy", getattr(fn, "__name__", "call"))
         self._notify()

@@ -15,8 +15,17 @@ A ``HangReport`` gives each rank's last collective (op, group and its ranks, seq
 number in that group, bytes, how long it has waited) or "in compute" with the last
 traced action, and names the ranks that never arrived, e.g. "ranks 0, 1, 3 wait in
 all_reduce #3 of group dp=[0,1,2,3] (for 6.0 s); rank 2 never entered it (last seen in
-forward, step 1, micro-batch 0)". The files are read on the driver's host: ranks on
-other hosts show as "unknown" (their stacks are still in ``RankTimeoutError``).
+forward, step 1, micro-batch 0)". The files are read on the driver's host; for a rank
+on another host (or whose file cannot be read) the watch uses the state that rank's
+beacon last sent over ipyparallel (``kernels.flight_recorder.WatchBeacon``, every half
+second while it changes), which ``Cluster.run`` hands over through ``follow``.
+
+The same beacons carry torch's own flight recorder, summed up per process group, so the
+report also says what c10d itself recorded (``HangReport.flight``): e.g. "torch flight
+recorder: gloo:all_reduce #9 of group dp=[0,1,2,3]: ranks 0, 1, 3 entered it and have
+not finished; rank 2 never entered it (its last was #8, finished)". Its sequence
+numbers count every collective of the group, the lab's own included, so they differ from
+the collective log's; who never arrived must agree.
 """
 from __future__ import annotations
 
@@ -25,7 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.collective_log import RankActivity, log_path, read_state
+from kernels.collective_log import BEACON_KEY, RankActivity, log_path, read_state
+from kernels.records import FlightGroup
 from lab.errors import rank_list
 
 
@@ -66,6 +76,8 @@ class HangReport:
     ranks: tuple[RankDoing, ...]
     findings: tuple[str, ...]  # one line per collective that ranks wait in
     never_arrived: tuple[int, ...]  # ranks outside the collective their group waits in
+    flight: tuple[str, ...] = ()  # what torch's flight recorder says, one line per group with a collective open
+    flight_never_arrived: tuple[int, ...] = ()  # the ranks it says never entered that collective
 
     def rank(self, rank: int) -> RankDoing:
         return self.ranks[rank]
@@ -77,13 +89,13 @@ class HangReport:
         lines = [f"HangReport ({self.reason}):", *self.findings]
         lines += [f"  rank {r.rank}: {r.describe()}" + (f" [{'; '.join(r.faults)}]" if r.faults else "")
                   for r in self.ranks]
-        return "\n".join(lines)
+        return "\n".join(lines + [f"torch flight recorder: {line}" for line in self.flight])
 
 
 def doing(rank: int, state: RankActivity | None, *, fresh: bool, now: float) -> RankDoing:
     """One rank's ``RankDoing`` from its published state (``fresh``: written during this run)."""
     if state is None:
-        return RankDoing(rank, "unknown", "no collective log (another host, or the watch is off)")
+        return RankDoing(rank, "unknown", "no state: no file on this host and no beacon heard (or the watch is off)")
     if not fresh:
         return RankDoing(rank, "not started", "still building the model or its groups")
     faults, silent = tuple(state.faults), max(0.0, now - state.updated)
@@ -120,6 +132,38 @@ def build_report(rows: list[RankDoing], reason: str) -> HangReport:
     return HangReport(reason, tuple(rows), tuple(findings), tuple(sorted(never)))
 
 
+def flight_findings(groups: dict[int, tuple[FlightGroup, ...]]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """From each rank's flight-recorder summary: per group with a collective not finished, who is in it and who never came.
+
+    The collective is the newest one a rank of the group has entered and not finished;
+    a member whose last collective in that group is older never entered it.
+    """
+    by_group: dict[str, dict[int, FlightGroup]] = {}
+    for rank, rows in groups.items():
+        for row in rows:
+            by_group.setdefault(row.group, {})[rank] = row
+    lines, never = [], set()
+    for name, seen in sorted(by_group.items(), key=lambda kv: min(kv[1])):
+        open_rows = [g for g in seen.values() if g.last_seq > g.last_done_seq]
+        if not open_rows:
+            continue
+        seq = max(g.last_seq for g in open_rows)
+        first = next(g for g in open_rows if g.last_seq == seq)
+        label = f"{first.last_op} #{seq} of group {first.axis or 'c10d ' + name}=[{','.join(map(str, first.ranks))}]"
+        inside = sorted(r for r, g in seen.items() if g.last_seq == seq and g.last_done_seq < seq)
+        line = f"{label}: {rank_list(inside)} entered it and {'has' if len(inside) == 1 else 'have'} not finished"
+        for member in first.ranks:
+            row = seen.get(member)
+            if row is None:
+                line += f"; rank {member} sent no flight record"
+            elif row.last_seq < seq:
+                never.add(member)
+                state = "finished" if row.last_done_seq >= row.last_seq else "not finished"
+                line += f"; rank {member} never entered it (its last was #{row.last_seq}, {state})"
+        lines.append(line)
+    return tuple(lines), tuple(sorted(never))
+
+
 class HangWatch:
     """Follows the ranks' state files during one call (module docstring); ``report`` once captured."""
 
@@ -129,13 +173,28 @@ class HangWatch:
         self.paths = {r.rank: log_path(r.pid, directory) for r in cluster.rank_map.ranks
                       if directory and r.pid in cluster._local_pids}
         self.world_size = cluster.world_size
+        self._client = cluster._source.client
+        self._metadata: dict[int, Any] = {}
         self._baseline = self._counters()
         self._last: dict[int, int] = dict(self._baseline)
         self._progress_at: float | None = None
         self.report: HangReport | None = None
 
+    def follow(self, pending: dict[int, Any]) -> None:
+        """Read the beacons of this call's per-rank futures (``Cluster.run`` calls this once it has submitted)."""
+        self._metadata = {rank: self._client.metadata[ar.msg_ids[0]] for rank, ar in pending.items()}
+
+    def _beacon(self, rank: int) -> dict[str, Any] | None:
+        md = self._metadata.get(rank)
+        return md["data"].get(BEACON_KEY) if md is not None else None
+
     def _states(self) -> dict[int, RankActivity | None]:
-        return {rank: read_state(path) for rank, path in self.paths.items()}
+        states = {rank: read_state(path) for rank, path in self.paths.items()}
+        for rank in range(self.world_size):
+            if states.get(rank) is None:
+                beacon = self._beacon(rank)
+                states[rank] = RankActivity.from_dict(beacon["state"]) if beacon and beacon["state"] else None
+        return states
 
     def _counters(self, states: dict[int, RankActivity | None] | None = None) -> dict[int, int]:
         states = self._states() if states is None else states
@@ -157,5 +216,9 @@ class HangWatch:
             rows = [doing(r, states.get(r), fresh=states.get(r) is not None
                           and states[r].counter > self._baseline.get(r, 0), now=now)
                     for r in range(self.world_size)]
-            self.report = build_report(rows, reason)
+            report = build_report(rows, reason)
+            flight = {rank: tuple(FlightGroup.from_dict(g) for g in beacon["flight"])
+                      for rank in range(self.world_size) if (beacon := self._beacon(rank))}
+            lines, never = flight_findings(flight)
+            self.report = dataclasses.replace(report, flight=lines, flight_never_arrived=never)
         return self.report

@@ -16,7 +16,9 @@ import pytest
 import lab
 from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state, straggler
 from lab.faults import fault_problems
-from lab.hang_report import RankDoing, build_report
+import lab.hang_report
+from kernels.records import FlightGroup
+from lab.hang_report import RankDoing, build_report, flight_findings
 from widgets.training_dashboard import rank_rows
 
 MODEL = dict(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
@@ -81,6 +83,20 @@ def test_report_tells_a_mismatch_from_a_missing_rank():
     report = build_report(rows, "a test")
     assert report.never_arrived == ()
     assert "rank 1 waits in broadcast #4 of group world=[0,1] instead" in report.findings[0]
+
+
+def test_flight_recorder_summaries_name_who_is_in_the_open_collective_and_who_never_entered_it():
+    def group(last, done):
+        return (FlightGroup("0", "dp", (0, 1, 2, 3), last, "gloo:all_reduce", done, 1024),)
+
+    lines, never = flight_findings({0: group(12, 11), 1: group(12, 11), 2: group(11, 11), 3: group(12, 11)})
+    assert lines == ("gloo:all_reduce #12 of group dp=[0,1,2,3]: ranks 0, 1, 3 entered it and have not finished; "
+                     "rank 2 never entered it (its last was #11, finished)",)
+    assert never == (2,)
+    lines, never = flight_findings({0: group(12, 12), 1: group(12, 12)})  # nothing open: nothing to say
+    assert lines == () and never == ()
+    lines, _ = flight_findings({0: group(5, 4)})
+    assert "rank 1 sent no flight record" in lines[0]
 
 
 def test_straggler_is_the_rank_whose_compute_stands_out():
@@ -151,11 +167,23 @@ def test_hang_gives_a_report_naming_the_hung_rank_and_the_collective_the_others_
     assert finding.startswith("ranks 0, 1, 3 wait in all_reduce #") and "of group dp=[0,1,2,3]" in finding
     assert "rank 2 never entered it (last seen in forward, step 1, micro-batch 0)" in finding
     assert report.rank(2).faults == ("Hang(rank=2, at_step=1) struck at step 1",)
+    assert report.flight_never_arrived == (2,), report.flight  # torch's own flight recorder agrees
+    assert report.flight[0].startswith("gloo:all_reduce #") and "ranks 0, 1, 3 entered it" in report.flight[0]
     if how == "hang_after":
         assert report.rank(2).silent_s <= HANG_AFTER_S + REPORT_SLACK_S  # taken this soon after rank 2 went quiet
         assert info.value.rank == 2 and info.value.late == [2]
         assert str(info.value).startswith(f"no rank made progress for {HANG_AFTER_S:g} s (hang_after): " + finding)
     assert len(experiment(cluster, steps=1).run().losses) == 1  # the pool trains again
+
+
+@pytest.mark.slow
+def test_a_hang_is_diagnosed_from_the_ranks_beacons_alone_as_for_ranks_on_other_hosts(cluster, monkeypatch):
+    monkeypatch.setattr(lab.hang_report, "read_state", lambda path: None)  # no state file readable from here
+    with pytest.raises(lab.HangError) as info:
+        experiment(cluster, steps=3, faults=[lab.Hang(2, at_step=1)], hang_after=HANG_AFTER_S).run()
+    report = info.value.report
+    assert report.never_arrived == (2,) and report.flight_never_arrived == (2,)
+    assert "rank 2 never entered it (last seen in forward, step 1, micro-batch 0)" in report.findings[0]
 
 
 @pytest.mark.slow

@@ -1,0 +1,146 @@
+"""torch's own flight recorder on a rank, summed up per process group, and sent to the driver while the rank trains.
+
+c10d keeps a ring buffer of every collective each process group ran (its op, its sequence
+number in that group, its sizes, and whether it has finished), on NCCL and, since torch
+2.7, on gloo too. It is on when ``TORCH_FR_BUFFER_SIZE`` is set before the first process
+group of the process is made: ``kernels.runtime.join_world`` sets it (``enable``) unless
+the user did.
+
+``group_summaries`` reads the buffer (``_dump_fr_trace``, without stack traces: about
+0.3 ms) and keeps, per process group, its last collective and the last one that finished:
+that is what a hang diagnosis needs, and it is small enough to send every half second.
+
+``WatchBeacon`` is a thread that, while a run is watched (``kernels.rank_watch``), sends
+this rank's collective-log state and its flight-recorder summary through ipyparallel's
+engine-to-client data channel (key ``watch``) whenever either changed. A rank blocked in
+a collective still sends: the backends release the GIL while they wait. So the driver
+knows what ranks on other hosts are doing, where it cannot read their state files.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from typing import Any, Callable
+
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from kernels.collective_log import BEACON_KEY, read_state
+from kernels.records import FlightGroup
+
+BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+BUFFER_ENTRIES = "2000"  # a few steps of the lab's layouts; each entry is a few hundred bytes
+
+
+def enable() -> None:
+    """Turn torch's flight recorder on for the process groups made from now on (the user's size wins)."""
+    os.environ.setdefault(BUFFER_ENV, BUFFER_ENTRIES)
+
+
+def _dump() -> dict[str, Any] | None:
+    dump = getattr(c10d, "_dump_fr_trace", None)  # absent from builds without the recorder
+    if dump is None:
+        return None
+    return pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+
+
+def _group_ranks() -> dict[str, tuple[int, ...]]:
+    """Each live process group's name (as the flight recorder names it) -> its global ranks."""
+    return {distributed_c10d._get_process_group_name(pg): tuple(dist.get_process_group_ranks(pg))
+            for pg in list(distributed_c10d._world.pg_map)}
+
+
+def mesh_axis_names(meshes: list[Any]) -> dict[str, str]:
+    """Each mesh axis's process-group name -> the axis ("dp", "tp", "pp"), for ``meshes`` (None entries skipped)."""
+    names: dict[str, str] = {}
+    for mesh in meshes:
+        if mesh is None or mesh.mesh_dim_names is None:
+            continue
+        for axis in mesh.mesh_dim_names:
+            names.setdefault(distributed_c10d._get_process_group_name(mesh.get_group(axis)), axis)
+    return names
+
+
+def group_summaries(axis_names: dict[str, str] | None = None, since_ns: int = 0) -> tuple[FlightGroup, ...]:
+    """Per process group: its last collective in the flight recorder, and the last one that finished.
+
+    ``axis_names`` maps a group's name to its mesh axis ("dp", "tp", ...). Only entries
+    made from ``since_ns`` (``time.time_ns()``) on count: the recorder outlives the groups,
+    and a rebuilt world reuses their names. Point-to-point
+    entries (a pipeline's send/recv) are left out: they have no group-wide sequence.
+    Empty when the recorder is off or this torch has none.
+    """
+    dump = _dump() if dist.is_initialized() else None
+    if not dump:
+        return ()
+    ranks, names = _group_ranks(), axis_names or {}
+    last: dict[str, dict[str, Any]] = {}
+    done: dict[str, int] = {}
+    for entry in dump.get("entries", ()):
+        if entry.get("is_p2p") or not entry.get("collective_seq_id") or entry["time_created_ns"] < since_ns:
+            continue
+        name, seq = entry["process_group"][0], entry["collective_seq_id"]
+        if name not in last or seq >= last[name]["collective_seq_id"]:
+            last[name] = entry
+        if entry.get("retired") or entry.get("state") == "completed":
+            done[name] = max(done.get(name, 0), seq)
+    return tuple(FlightGroup(group=name, axis=names.get(name, ""), ranks=ranks.get(name, ()),
+                             last_seq=e["collective_seq_id"], last_op=e["profiling_name"],
+                             last_done_seq=done.get(name, 0),
+                             nbytes=sum(_numel(s) for s in e.get("input_sizes", ())) * _itemsize(e))
+                 for name, e in sorted(last.items()))
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_ITEMSIZE = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4, "Byte": 1, "Bool": 1, "Char": 1}
+
+
+def _itemsize(entry: dict[str, Any]) -> int:
+    dtypes = entry.get("input_dtypes") or ["Float"]
+    return _ITEMSIZE.get(dtypes[0], 4)
+
+
+class WatchBeacon:
+    """Sends this rank's state and flight summary to the driver while a run is watched (module docstring)."""
+
+    def __init__(self, state_path: str, publish: Callable[[dict[str, Any]], None],
+                 axis_names: dict[str, str], period_s: float = 0.5) -> None:
+        self._path, self._publish, self._names, self._period = state_path, publish, axis_names, period_s
+        self._since_ns = time.time_ns()
+        self._stop = threading.Event()
+        self._sent: tuple[Any, Any] | None = None
+        self._thread = threading.Thread(target=self._loop, name="cluster-lab-watch-beacon", daemon=True)
+
+    def start(self) -> "WatchBeacon":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._period):
+            self.send()
+
+    def send(self) -> None:
+        """Publish once, if the state or the flight summary changed since the last one sent."""
+        state = read_state(self._path)
+        flight = group_summaries(self._names, self._since_ns)
+        key = (state.counter if state is not None else None, flight)
+        if key == self._sent:
+            return
+        self._sent = key
+        self._publish({BEACON_KEY: {"state": state.to_dict() if state is not None else None,
+                                    "flight": [g.to_dict() for g in flight], "sent": time.time()}})
+
+    def stop(self) -> None:
+        """Send the last state and stop before the call returns (its messages belong to this call)."""
+        self._stop.set()
+        self._thread.join()
+        self.send()
