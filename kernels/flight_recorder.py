@@ -6,15 +6,16 @@ number in that group, its sizes, and whether it has finished), on NCCL and, sinc
 group of the process is made: ``kernels.runtime.join_world`` sets it (``enable``) unless
 the user did.
 
-``group_summaries`` reads the buffer (``_dump_fr_trace``, without stack traces: about
-0.3 ms) and keeps, per process group, its last collective and the last one that finished:
-that is what a hang diagnosis needs, and it is small enough to send every half second.
+``group_summaries`` reads the buffer (``_dump_fr_trace`` without stack traces) and keeps,
+per process group, its last collective and the last one that finished: what a hang
+diagnosis needs, small enough to send.
 
 ``WatchBeacon`` is a thread that, while a run is watched (``kernels.rank_watch``), sends
-this rank's collective-log state and its flight-recorder summary through ipyparallel's
-engine-to-client data channel (key ``watch``) whenever either changed. A rank blocked in
-a collective still sends: the backends release the GIL while they wait. So the driver
-knows what ranks on other hosts are doing, where it cannot read their state files.
+this rank's collective-log state through ipyparallel's engine-to-client data channel (key
+``watch``) whenever it changed, every half second at most, and once the state has not
+changed for a second, the flight-recorder summary with it. A rank blocked in a collective
+still sends: the backends release the GIL while they wait. So the driver knows what ranks
+on other hosts are doing, where it cannot read their state files.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from kernels.collective_log import BEACON_KEY, read_state
 from kernels.records import FlightGroup
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-BUFFER_ENTRIES = "2000"  # a few steps of the lab's layouts; each entry is a few hundred bytes
+BUFFER_ENTRIES = "500"  # several steps of the lab's layouts (a TP×FSDP step makes ~50); a dump reads them all
 
 
 def enable() -> None:
@@ -89,35 +90,22 @@ def group_summaries(axis_names: dict[str, str] | None = None, since_ns: int = 0)
             done[name] = max(done.get(name, 0), seq)
     return tuple(FlightGroup(group=name, axis=names.get(name, ""), ranks=ranks.get(name, ()),
                              last_seq=e["collective_seq_id"], last_op=e["profiling_name"],
-                             last_done_seq=done.get(name, 0),
-                             nbytes=sum(_numel(s) for s in e.get("input_sizes", ())) * _itemsize(e))
+                             last_done_seq=done.get(name, 0))
                  for name, e in sorted(last.items()))
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-_ITEMSIZE = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4, "Byte": 1, "Bool": 1, "Char": 1}
-
-
-def _itemsize(entry: dict[str, Any]) -> int:
-    dtypes = entry.get("input_dtypes") or ["Float"]
-    return _ITEMSIZE.get(dtypes[0], 4)
-
-
 class WatchBeacon:
-    """Sends this rank's state and flight summary to the driver while a run is watched (module docstring)."""
+    """Sends this rank's state, and when it goes quiet its flight summary, to the driver (module docstring)."""
 
     def __init__(self, state_path: str, publish: Callable[[dict[str, Any]], None],
-                 axis_names: dict[str, str], period_s: float = 0.5) -> None:
-        self._path, self._publish, self._names, self._period = state_path, publish, axis_names, period_s
+                 axis_names: dict[str, str], period_s: float = 0.5, quiet_s: float = 1.0) -> None:
+        self._path, self._publish, self._names = state_path, publish, axis_names
+        self._period, self._quiet = period_s, quiet_s
         self._since_ns = time.time_ns()
         self._stop = threading.Event()
-        self._sent: tuple[Any, Any] | None = None
+        self._counter: int | None = -1
+        self._changed_at = time.monotonic()
+        self._flight_sent = False
         self._thread = threading.Thread(target=self._loop, name="cluster-lab-watch-beacon", daemon=True)
 
     def start(self) -> "WatchBeacon":
@@ -129,18 +117,27 @@ class WatchBeacon:
             self.send()
 
     def send(self) -> None:
-        """Publish once, if the state or the flight summary changed since the last one sent."""
+        """Publish the state if it changed; once it has not changed for ``quiet_s``, publish it with the flight summary.
+
+        The recorder is read only for a quiet rank: a dump costs about 30 us per entry in
+        its ring (tens of ms for a full one), too much to pay every half second while the
+        rank trains, and only a rank that stopped moving needs explaining.
+        """
         state = read_state(self._path)
-        flight = group_summaries(self._names, self._since_ns)
-        key = (state.counter if state is not None else None, flight)
-        if key == self._sent:
+        counter, now = (state.counter if state is not None else None), time.monotonic()
+        flight = None
+        if counter != self._counter:
+            self._counter, self._changed_at, self._flight_sent = counter, now, False
+        elif not self._flight_sent and now - self._changed_at >= self._quiet:
+            flight, self._flight_sent = group_summaries(self._names, self._since_ns), True
+        else:
             return
-        self._sent = key
         self._publish({BEACON_KEY: {"state": state.to_dict() if state is not None else None,
-                                    "flight": [g.to_dict() for g in flight], "sent": time.time()}})
+                                    "flight": None if flight is None else [g.to_dict() for g in flight],
+                                    "sent": time.time()}})
 
     def stop(self) -> None:
-        """Send the last state and stop before the call returns (its messages belong to this call)."""
+        """Stop before the call returns (its messages belong to this call), after sending the last state."""
         self._stop.set()
         self._thread.join()
         self.send()

@@ -321,4 +321,3 @@ class FlightGroup(Record):
     last_seq: int  # the group's sequence number of the last collective this rank entered
     last_op: str  # that collective, as c10d names it ("gloo:all_reduce", "nccl:reduce_scatter" ...)
     last_done_seq: int  # the last one that finished on this rank
-    nbytes: int = 0  # the last collective's input bytes

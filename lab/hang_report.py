@@ -218,7 +218,8 @@ class HangWatch:
                     for r in range(self.world_size)]
             report = build_report(rows, reason)
             flight = {rank: tuple(FlightGroup.from_dict(g) for g in beacon["flight"])
-                      for rank in range(self.world_size) if (beacon := self._beacon(rank))}
+                      for rank in range(self.world_size)
+                      if (beacon := self._beacon(rank)) and beacon["flight"] is not None}
             lines, never = flight_findings(flight)
             self.report = dataclasses.replace(report, flight=lines, flight_never_arrived=never)
         return self.report

@@ -87,7 +87,7 @@ def test_report_tells_a_mismatch_from_a_missing_rank():
 
 def test_flight_recorder_summaries_name_who_is_in_the_open_collective_and_who_never_entered_it():
     def group(last, done):
-        return (FlightGroup("0", "dp", (0, 1, 2, 3), last, "gloo:all_reduce", done, 1024),)
+        return (FlightGroup("0", "dp", (0, 1, 2, 3), last, "gloo:all_reduce", done),)
 
     lines, never = flight_findings({0: group(12, 11), 1: group(12, 11), 2: group(11, 11), 3: group(12, 11)})
     assert lines == ("gloo:all_reduce #12 of group dp=[0,1,2,3]: ranks 0, 1, 3 entered it and have not finished; "
@@ -167,8 +167,9 @@ def test_hang_gives_a_report_naming_the_hung_rank_and_the_collective_the_others_
     assert finding.startswith("ranks 0, 1, 3 wait in all_reduce #") and "of group dp=[0,1,2,3]" in finding
     assert "rank 2 never entered it (last seen in forward, step 1, micro-batch 0)" in finding
     assert report.rank(2).faults == ("Hang(rank=2, at_step=1) struck at step 1",)
-    assert report.flight_never_arrived == (2,), report.flight  # torch's own flight recorder agrees
-    assert report.flight[0].startswith("gloo:all_reduce #") and "ranks 0, 1, 3 entered it" in report.flight[0]
+    if how != "interrupt":  # a rank sends its flight summary once quiet for a second; the interrupt may come sooner
+        assert report.flight_never_arrived == (2,), report.flight  # torch's own flight recorder agrees
+        assert report.flight[0].startswith("gloo:all_reduce #") and "ranks 0, 1, 3 entered it" in report.flight[0]
     if how == "hang_after":
         assert report.rank(2).silent_s <= HANG_AFTER_S + REPORT_SLACK_S  # taken this soon after rank 2 went quiet
         assert info.value.rank == 2 and info.value.late == [2]
