@@ -64,6 +64,8 @@ def hosts(k: int, ranks_per_host: int, link_gbit: float | None = None, *, timeou
         network.build(k)
         if link_gbit is not None:
             _cap_and_check(network, link_gbit)
+        else:
+            network.count_only()
         source = _start_controller(network)
         engines = _start_engines(network, source, ranks_per_host)
         _wait_for_engines(source, engines, k * ranks_per_host, timeout)
