@@ -268,6 +268,7 @@ class BenchRecord(Record):
     algbw: float  # size_bytes / seconds, bytes/s
     busbw: float  # algbw × factor, bytes/s
     factor: float  # nccl-tests: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, else 1
+    link: str = ""  # "intra": groups inside each host, "inter": groups of one rank per host; "": the whole world
 
 
 @dataclass(frozen=True)
