@@ -5,6 +5,9 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") as torch
 builds it: ranks ``arange(world).view(pp, dp, tp)``, so tp varies fastest and a
 tensor-parallel group is made of neighbouring ranks (one host, the fastest links).
 Rank r sits at ``pp = r // (dp*tp)``, ``dp = (r // tp) % dp``, ``tp = r % tp``.
+``ParallelDims.order`` may lay the ranks out in another order (``rank_grid``), e.g.
+("pp", "tp", "dp") puts each tp group's ranks dp apart, on different hosts: a way to see
+what TP across hosts costs (docs/design.md#traffic-inside-and-across-hosts).
 
 ``ParallelDims`` checks ``dp * tp * pp == world_size`` with a readable error.
 "axis" here means a mesh axis ("pp", "dp", "tp"); "dim" means a tensor dimension.
