@@ -138,3 +138,17 @@ def test_nothing_is_left_behind_after_an_error_and_the_cap_holds():
             assert net.shaping in ("htb", "tbf") and net.measured_gbit <= 0.2 * 1.2, net
             raise RuntimeError("on purpose")
     assert pids and _left_behind(token, pids) == []
+
+
+@needs_root
+@pytest.mark.slow
+def test_bench_collectives_sweeps_inside_and_across_hosts(two_hosts):
+    from lab import bench_collectives
+    from lab.bench import link_groups
+    assert link_groups([r.host for r in two_hosts.rank_map.ranks]) == {"intra": [[0, 1], [2, 3]],
+                                                                       "inter": [[0, 2], [1, 3]]}
+    records = bench_collectives(two_hosts, sizes=(1 << 16,), ops=("all_reduce", "send_recv"), iters=2)
+    assert sorted((r.op, r.link, r.world) for r in records) == [
+        ("all_reduce", "", 4), ("all_reduce", "inter", 2), ("all_reduce", "intra", 2),
+        ("send_recv", "", 4), ("send_recv", "inter", 2), ("send_recv", "intra", 2)]
+    assert all(r.busbw > 0 for r in records)
