@@ -26,8 +26,9 @@ Three ways in, one meter (``CommMeter``):
   calls and its hooks kept the step's modules alive.
 
 Rows (``CommMeter.rows``): one per (op, group size, source): ``{"op", "group_size", "count",
-"payload_bytes", "seconds", "source"}`` (source "dist" or "funcol"); bandwidths are the
-driver's. After ``active()``: ``debug_counts`` (CommDebugMode's own counts, a check on
+"payload_bytes", "seconds", "source", "to"}`` (source "dist" or "funcol"; "to": payload by the
+global rank it goes to, counted as a ring counts it: a collective sends to the next rank of
+its group, a send to its peer); bandwidths and the intra/inter-host split are the driver's. After ``active()``: ``debug_counts`` (CommDebugMode's own counts, a check on
 the meter) and ``unmetered`` (collectives CommDebugMode saw that no wrapper did).
 
 Run alone (meters one all_reduce and one all_gather on 2 ranks)::
@@ -82,16 +83,21 @@ class CommMeter:
         self._rows: dict[tuple[str, int, str], dict[str, Any]] = {}
         self._local = threading.local()
 
-    def record(self, op: str, group_size: int, payload: int, seconds: float, source: str) -> None:
+    def record(self, op: str, group_size: int, payload: int, seconds: float, source: str,
+               to: int | None = None) -> None:
+        """Add one call; ``to`` is the global rank its bytes go to (a collective's ring successor, a send's peer)."""
         row = self._rows.setdefault((op, group_size, source), {"op": op, "group_size": group_size, "count": 0,
-                                                       "payload_bytes": 0, "seconds": 0.0, "source": source})
+                                                       "payload_bytes": 0, "seconds": 0.0, "source": source,
+                                                       "to": {}})
         row["count"] += 1
         row["payload_bytes"] += int(payload)
         row["seconds"] += seconds
+        if to is not None:  # payload by destination: the driver splits it into intra- and inter-host bytes
+            row["to"][str(to)] = row["to"].get(str(to), 0) + int(payload)
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._rows.values()]
+        return [{**r, "to": dict(r["to"])} for r in self._rows.values()]
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
@@ -118,12 +124,14 @@ class CommMeter:
         if name == "batch_isend_irecv":
             for p2p in a["p2p_op_list"]:
                 op = "send" if p2p.op in (dist.isend, dist.send) else "recv"
-                self.record(op, 2, _nbytes(p2p.tensor), seconds / len(a["p2p_op_list"]), "dist")
+                self.record(op, 2, _nbytes(p2p.tensor), seconds / len(a["p2p_op_list"]), "dist", p2p.peer)
             return
         op, payload = _DIST_OPS[name]
         group = a.get("group")
-        self.record(op, dist.get_world_size(group) if op not in ("send", "recv") else 2,
-                    payload(a), seconds, "dist")
+        if op in ("send", "recv"):
+            self.record(op, 2, payload(a), seconds, "dist", a.get("dst", a.get("src")))
+        else:
+            self.record(op, dist.get_world_size(group), payload(a), seconds, "dist", ring_next(group))
 
     def _dist_names(self) -> list[str]:
         """The ``torch.distributed`` attributes ``patch_dist`` wraps."""
@@ -214,6 +222,12 @@ def _funcol_payload(name: str, args: tuple) -> tuple[str, int, int] | None:
     return None
 
 
+def ring_next(group: dist.ProcessGroup | None) -> int:
+    """The global rank after this one in ``group``'s rank order: where a ring collective sends this rank's bytes."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return ranks[(ranks.index(dist.get_rank()) + 1) % len(ranks)]
+
+
 def _group_size(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group  # name -> group (no public API)
     return _resolve_process_group(group_name).size()
@@ -233,7 +247,10 @@ def _meter_funcol(meter: CommMeter, func: Any, types: tuple, args: tuple, call: 
     out = call()
     for t in out if isinstance(out, (list, tuple)) else (out,):
         _FUNCOL.wait_tensor(t)  # measuring mode: the collective's own time
-    meter.record(info[0], info[2], info[1], time.perf_counter() - start, "funcol")
+    from torch.distributed.distributed_c10d import _resolve_process_group  # name -> group (no public API)
+    group = _resolve_process_group(args[{"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
+                                         "all_to_all_single": 3, "broadcast": 2}[name]])
+    meter.record(info[0], info[2], info[1], time.perf_counter() - start, "funcol", ring_next(group))
     return out
 
 

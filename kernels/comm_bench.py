@@ -31,39 +31,48 @@ import torch.distributed as dist
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
 
-def _op_call(op: str, numel: int, world: int, rank: int) -> Callable[[], Any]:
-    """A closure that runs one call of ``op`` on a payload of ``numel`` fp32 elements."""
+def _op_call(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Callable[[], Any]:
+    """A closure that runs one call of ``op`` on a payload of ``numel`` fp32 elements in ``group`` (None: the world)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     if op == "all_reduce":
         t = torch.ones(numel)
-        return lambda: dist.all_reduce(t)
+        return lambda: dist.all_reduce(t, group=group)
     if op == "all_gather":
         out, inp = torch.empty(numel), torch.ones(numel // world)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
-        return lambda: gather(out, inp)
+        return lambda: gather(out, inp, group=group)
     if op == "reduce_scatter":
         out, inp = torch.empty(numel // world), torch.ones(numel)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
-        return lambda: scatter(out, inp)
+        return lambda: scatter(out, inp, group=group)
     if op == "broadcast":
         t = torch.ones(numel)
-        return lambda: dist.broadcast(t, src=0)
+        return lambda: dist.broadcast(t, src=_global(group, 0), group=group)
     if op == "send_recv":
         send, recv = torch.ones(numel), torch.empty(numel)
 
         def ring() -> None:
-            ops = [dist.P2POp(dist.isend, send, (rank + 1) % world),
-                   dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            ops = [dist.P2POp(dist.isend, send, _global(group, (rank + 1) % world), group),
+                   dist.P2POp(dist.irecv, recv, _global(group, (rank - 1) % world), group)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return ring
     raise ValueError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
 
 
-def time_op(op: str, size_bytes: int, iters: int) -> dict[str, Any]:
-    """Mean seconds per call of ``op`` on ``size_bytes`` (rounded down to n fp32 elements), slowest rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def time_op(op: str, size_bytes: int, iters: int, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Mean seconds per call of ``op`` on ``size_bytes`` (rounded down to n fp32 elements), slowest rank.
+
+    With ``group``, every group runs at once (so groups crossing one link share it), and
+    the time is still the slowest rank's of the whole world.
+    """
+    world = dist.get_world_size(group)
     numel = max(world, size_bytes // 4 // world * world)  # all_gather/reduce_scatter need n | numel
-    call = _op_call(op, numel, world, rank)
+    call = _op_call(op, numel, group)
     call()  # warm-up: connections and buffers
     dist.barrier()
     start = time.perf_counter()
@@ -75,7 +84,11 @@ def time_op(op: str, size_bytes: int, iters: int) -> dict[str, Any]:
 
 
 def bench_rank(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    """The sweep ``cfg`` names: ``{"sizes": [bytes], "ops": [names], "iters": int}``; same rows on every rank."""
+    """The sweep ``cfg`` names: ``{"sizes": [bytes], "ops": [names], "iters": int}``; same rows on every rank.
+
+    ``cfg["groups"]`` (lists of global ranks covering the world, e.g. the ranks of each host)
+    runs the sweep inside those groups instead of the whole world, all groups at once.
+    """
     if dist.get_world_size() < 2:
         raise ValueError("bench_rank needs at least 2 ranks")
     ops = tuple(cfg.get("ops", OPS))
@@ -83,7 +96,13 @@ def bench_rank(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     if unknown:
         raise ValueError(f"unknown collectives {unknown}; use {', '.join(OPS)}")
     iters = int(cfg.get("iters", 5))
-    return [time_op(op, int(size), iters) for op in ops for size in cfg.get("sizes", (1 << 16, 1 << 20))]
+    groups = [dist.new_group(list(g)) for g in cfg.get("groups") or ()]  # every rank creates every group
+    mine = next((g for g, ranks in zip(groups, cfg.get("groups") or ()) if dist.get_rank() in ranks), None)
+    try:
+        return [time_op(op, int(size), iters, mine) for op in ops for size in cfg.get("sizes", (1 << 16, 1 << 20))]
+    finally:
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def meter_stage_sends(stages: list, meter: CommMeter) -> Iterator[None]:
         def wrapped(chunk_id: int, *args: Any, **kwargs: Any) -> list:
             ops = original(chunk_id, *args, **kwargs)
             for op in ops:
-                meter.record("send", 2, op.tensor.numel() * op.tensor.element_size(), 0.0, "pipeline")
+                meter.record("send", 2, op.tensor.numel() * op.tensor.element_size(), 0.0, "pipeline", op.peer)
             return ops
         return wrapped
 
@@ -168,7 +168,7 @@ def step_probe(model: nn.Module, optimizer, device: torch.device) -> StepProbe:
 def measure_record(layout: dict[str, Any], dims: Any, device: torch.device, probe: StepProbe,
                    **extra: Any) -> dict[str, Any]:
     """The record (module docstring): this rank's layout record, the mesh sizes and what ``probe`` measured."""
-    return {**layout, "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}, "device": str(device),
+    return {**layout, "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate}, "device": str(device),
             **extra, **probe.rows()}
 
 

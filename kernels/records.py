@@ -249,6 +249,11 @@ class CommRecord(Record):
     # "pipeline" (a pipeline stage's boundary send, counted without its time)
     source: str = ""
     note: str = ""
+    # Of wire_bytes, what went to ranks on this rank's host and to other hosts, counted as a ring
+    # counts it (lab/host_traffic.py); None when the destinations were not recorded
+    intra_bytes: float | None = None
+    inter_bytes: float | None = None
+    predicted_inter_bytes: float | None = None  # the planner's inter-host bytes on the same rank -> host placement
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,7 @@ class BenchRecord(Record):
     algbw: float  # size_bytes / seconds, bytes/s
     busbw: float  # algbw × factor, bytes/s
     factor: float  # nccl-tests: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, else 1
+    link: str = ""  # "intra": groups inside each host, "inter": groups of one rank per host; "": the whole world
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 class Cluster(WorldKeeper, FailureReporter):
     """A pool of ranks; use :func:`lab.start` or :func:`lab.connect` to make one."""
 
+    network: Any = None  # the simulated hosts' network (lab.testing.hosts); None on a real pool
+
     def __init__(self, source: launch.EngineSource, *, backend: str = "auto", share_gpu: bool = False,
                  threads_per_rank: int | None = None, timeout: float = 60.0,
                  collective_timeout: float = 300.0, activate: bool = True, spare_engines: int = 0) -> None:

@@ -177,7 +177,7 @@ class Experiment:
 
     def _result(self, per_rank: list[dict[str, Any]], cfg: dict[str, Any], return_params: bool) -> RunResult:
         """The RunResult of the ranks' records."""
-        found = measurements(per_rank, cfg)
+        found = measurements(per_rank, cfg, [r.host for r in self.cluster.rank_map.ranks])
         return RunResult(
             config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
             step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
@@ -215,7 +215,7 @@ def _ranks_per_host(cluster: Any) -> list[int] | None:
     return [len(hosts[r.host]) for r in rank_map.ranks]
 
 
-def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
+def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any], hosts: list[str] | None = None) -> dict[str, Any]:
     """RunResult's measured fields from the rank records, as JSON-plain data (so a saved run equals a live one).
 
     Trace records give events, clock, planned and the bubble; measure records give memory
@@ -239,5 +239,5 @@ def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[st
                                    f"so those took longer than synthetic_forward_s implies")
     if probes:
         out["memory_records"] = [m.to_dict() for rec in probes for m in memory_records(rec)]
-        out["comm_records"] = [c.to_dict() for rec in probes for c in comm_records(rec, cfg)]
+        out["comm_records"] = [c.to_dict() for rec in probes for c in comm_records(rec, cfg, hosts)]
     return json.loads(json.dumps(out))  # tuples become lists, as after a JSON round trip

@@ -42,6 +42,7 @@ from typing import Any
 
 from kernels.measure import measure_rank
 from kernels.records import CommRecord, MemoryRecord
+from lab import host_traffic
 from lab.plan_math import busbw_factor, zero_memory
 from lab.planner import plan
 
@@ -188,6 +189,8 @@ def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, flo
     out: dict[str, float] = {}
     if record["strategy"] in ("ddp", "zero1", "allreduce") and record["dims"]["dp"] > 1:
         out["all_reduce"] = grads  # DDP's flat buckets, or (pp) one all_reduce per gradient
+    if record.get("hybrid") and record["dims"].get("dp_replicate") == record["dims"]["dp"] > 1:
+        out["all_reduce"] = grads  # FSDP2 replicating only (TP with dp > 1, no ZeRO): one gradient all-reduce
     if stage == 1:
         out["broadcast"] = grads  # every parameter, from its owner, after the step
     if record["strategy"] == "fsdp":
@@ -225,23 +228,45 @@ def _predicted(pred: dict[str, float], row: dict[str, Any], record: dict[str, An
     return pred.get(row["op"])
 
 
-def comm_records(record: dict[str, Any], cfg: dict[str, Any]) -> list[CommRecord]:
-    """One rank's per-step collectives with wire bytes, algbw, busbw and the analytic volume."""
+def _pp_sends(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
+    """The planner's stage-boundary send payloads of this rank by phase ("fwd", "bwd")."""
+    if record["dims"]["pp"] == 1:
+        return {}
+    out: dict[str, float] = {}
+    for e in _planned_stage(record, cfg).comm:
+        if e.axis == "pp":
+            out[e.phase] = out.get(e.phase, 0.0) + e.total_payload
+    return out
+
+
+def comm_records(record: dict[str, Any], cfg: dict[str, Any], hosts: list[str] | None = None) -> list[CommRecord]:
+    """One rank's per-step collectives with wire bytes, algbw, busbw and the analytic volume.
+
+    With ``hosts`` (the host of each rank, by rank), each record also splits its wire bytes
+    into intra- and inter-host traffic, beside the planner's inter-host bytes (``lab.host_traffic``).
+    """
     pred, out = predicted_comm(record, cfg), []
+    sends = _pp_sends(record, cfg) if hosts else {}
     for row in record["comm"]:
+        predicted = _predicted(pred, row, record)
+        both = host_traffic.split(row, record["rank"], hosts) if hosts else None
+        planned = host_traffic.planned_inter(row, record, predicted, sends, hosts,
+                                                                cfg.get("mesh_order", host_traffic.MESH_AXES)) if hosts else None
         f = busbw_factor(row["op"], row["group_size"]) if row["op"] != "all_to_all" else 1.0
         algbw = row["payload_bytes"] / row["seconds"] if row["seconds"] > 0 else 0.0
         out.append(CommRecord(rank=record["rank"], op=row["op"], group_size=row["group_size"],
                               count=row["count"], payload_bytes=row["payload_bytes"],
                               wire_bytes=row["payload_bytes"] * f, seconds=row["seconds"], algbw=algbw,
-                              busbw=algbw * f, predicted_payload_bytes=_predicted(pred, row, record),
-                              source=row["source"]))
+                              busbw=algbw * f, predicted_payload_bytes=predicted, source=row["source"],
+                              intra_bytes=both[0] if both else None, inter_bytes=both[1] if both else None,
+                              predicted_inter_bytes=planned))
     return out
 
 
 def measure_layout(cluster: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run ``measure_rank(cfg)`` on every rank; memory and comm records of all ranks, and the raw rank dicts."""
     raw = cluster.run(measure_rank, cfg)
+    hosts = [r.host for r in cluster.rank_map.ranks]
     memory = [r for rec in raw for r in memory_records(rec)]
-    comm = [r for rec in raw for r in comm_records(rec, cfg)]
+    comm = [r for rec in raw for r in comm_records(rec, cfg, hosts)]
     return {"memory": memory, "comm": comm, "ranks": raw}

@@ -39,6 +39,7 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload")
 
 RULES = {
+    "mesh-order": "mesh_order names pp, dp and tp once each, outermost first; HSDP needs the default (pp, dp, tp)",
     # The fields one at a time (kernels.config_rules): Parallel, Experiment, RunConfig and GPTConfig.
     "positive-sizes": "sizes and counts (dp, tp, pp, microbatches, stages_per_rank, dp_replicate, global_batch, "
                       "steps, the model's layers, d_model, heads, vocab, seq_len, d_ff) must be ints >= 1, "

@@ -160,11 +160,13 @@ class RunResult:
 _COLUMNS = (("rank", "rank", "{}"), ("op", "op", "{}"), ("source", "source", "{}"), ("n", "group_size", "{}"),
             ("count", "count", "{}"), ("bytes", "payload_bytes", "{:,}"),
             ("predicted", "predicted_payload_bytes", "{:,.0f}"), ("ms", "seconds", "{:.3f}"),
-            ("busbw GB/s", "busbw", "{:.3f}"))
+            ("busbw GB/s", "busbw", "{:.3f}"), ("inter-host", "inter_bytes", "{:,.0f}"),
+            ("planned inter", "predicted_inter_bytes", "{:,.0f}"))
 
 
 class CommTable(list):
-    """CommRecord dicts (a plain list) that print as a table: payload bytes beside the analytic volume.
+    """CommRecord dicts (a plain list) that print as a table: payload bytes beside the analytic volume,
+    and the wire bytes that crossed to another host beside the planner's (docs/design.md#traffic-inside-and-across-hosts).
 
     ``ms`` is the summed time of the calls; busbw = payload / time × the nccl-tests factor (docs/design.md#bus-bandwidth).
     """

@@ -100,6 +100,7 @@ DIRECT_REFUSALS = {
     "rank-config-ranks-per-host": (lambda pool: RunConfig(ranks_per_host=(2, 0)), "positive-sizes"),
     "rank-config-unknown-schedule": (lambda pool: RunConfig(schedule="pipedream"), "unknown-schedule"),
     "rank-config-data-seed": (lambda pool: RunConfig(data_seed=2.0), "seed"),
+    "rank-config-mesh-order": (lambda pool: RunConfig(mesh_order=("pp", "tp", "tp")), "mesh-order"),
     "checkpoint-every-without-dir": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),
                                                                  checkpoint_every=2), "checkpoint"),
     "checkpoint-dir-under-a-file": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),

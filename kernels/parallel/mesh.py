@@ -5,6 +5,9 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") as torch
 builds it: ranks ``arange(world).view(pp, dp, tp)``, so tp varies fastest and a
 tensor-parallel group is made of neighbouring ranks (one host, the fastest links).
 Rank r sits at ``pp = r // (dp*tp)``, ``dp = (r // tp) % dp``, ``tp = r % tp``.
+``ParallelDims.order`` may lay the ranks out in another order (``rank_grid``), e.g.
+("pp", "tp", "dp") puts each tp group's ranks dp apart, on different hosts: a way to see
+what TP across hosts costs (docs/design.md#traffic-inside-and-across-hosts).
 
 ``ParallelDims`` checks ``dp * tp * pp == world_size`` with a readable error.
 "axis" here means a mesh axis ("pp", "dp", "tp"); "dim" means a tensor dimension.
@@ -35,6 +38,9 @@ class ParallelDims:
     pp: int = 1  # pipeline-parallel degree
     world_size: int = 1  # must equal dp * tp * pp
     dp_replicate: int = 1  # HSDP: replica groups of the dp axis (1 without HSDP); dp_shard = dp // dp_replicate
+    # Rank order over the axes, outermost first: the default keeps tp on neighbouring ranks (one
+    # host); another order (e.g. ("pp", "tp", "dp")) spreads tp over hosts, to see what that costs.
+    order: tuple[str, ...] = MESH_AXES
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "world_size", "dp_replicate"):
@@ -44,6 +50,8 @@ class ParallelDims:
         if self.dp * self.tp * self.pp != self.world_size:
             raise ValueError(f"ParallelDims: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
                              f"{self.dp * self.tp * self.pp} must equal the world size {self.world_size}")
+        if sorted(self.order) != sorted(MESH_AXES):
+            raise ValueError(f"ParallelDims.order must name pp, dp and tp once each, got {self.order!r}")
         if self.dp % self.dp_replicate:
             raise ValueError(f"ParallelDims: dp_replicate={self.dp_replicate} must divide dp={self.dp}")
 
@@ -53,8 +61,12 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index on each mesh axis, from the (pp, dp, tp) row-major order."""
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+        """This rank's index on each mesh axis, from the row-major rank order ``order`` ((pp, dp, tp) by default)."""
+        out = {}
+        for axis in reversed(self.order):
+            size = getattr(self, axis)
+            out[axis], rank = rank % size, rank // size
+        return {axis: out[axis] for axis in MESH_AXES}
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
@@ -63,16 +75,25 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     Every rank of the process group must call it (group creation is collective); a
     rank beyond ``dims.world_size`` gets a mesh with ``get_coordinate() is None``.
     """
-    return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
+    if tuple(dims.order) == MESH_AXES:
+        return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
+    return DeviceMesh(device_type, rank_grid(dims), mesh_dim_names=MESH_AXES)
+
+
+def rank_grid(dims: ParallelDims) -> torch.Tensor:
+    """The (pp, dp, tp) grid of global ranks: laid out row-major in ``dims.order``, then the axes put
+    back to (pp, dp, tp) so that every user indexes it alike."""
+    grid = torch.arange(dims.world_size).view(*(getattr(dims, a) for a in dims.order))
+    return grid.permute(*(dims.order.index(a) for a in MESH_AXES)).contiguous()
 
 
 def build_hsdp_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
-    """The 2D (dp_replicate, dp_shard) sub-mesh for HSDP, over the same rank order as ``build_mesh``.
+    """The 2D (dp_replicate, dp_shard) sub-mesh for HSDP, over the same rank grid as ``build_mesh``.
 
     dp index = replicate_index * dp_shard + shard_index, so a shard group is made of
     dp-neighbours. Every rank builds the whole 4D grid (new groups are collective).
     """
-    grid = torch.arange(dims.world_size).view(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+    grid = rank_grid(dims).reshape(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
     full = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     return full["dp_replicate", "dp_shard"]
 

@@ -136,7 +136,7 @@ def run_strategy(run: RunConfig, world_size: int | None = None) -> tuple[Paralle
         cpu_offload=run.cpu_offload, compile=run.compile, schedule=run.schedule if run.pp > 1 else None,
         stages_per_rank=run.stages_per_rank, microbatches=run.microbatches)
     return ParallelDims(dp=run.dp, tp=run.tp, pp=run.pp, world_size=probe.world_size,
-                        dp_replicate=strategy.dp_replicate), strategy
+                        dp_replicate=strategy.dp_replicate, order=tuple(run.mesh_order)), strategy
 
 
 if __name__ == "__main__":
