@@ -152,3 +152,22 @@ def test_bench_collectives_sweeps_inside_and_across_hosts(two_hosts):
         ("all_reduce", "", 4), ("all_reduce", "inter", 2), ("all_reduce", "intra", 2),
         ("send_recv", "", 4), ("send_recv", "inter", 2), ("send_recv", "intra", 2)]
     assert all(r.busbw > 0 for r in records)
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_hang_on_other_hosts_is_diagnosed_from_their_beacons():
+    """The driver cannot read these ranks' state files (they are on host0/host1): their beacons tell."""
+    import lab
+    from lab.testing import hosts
+    with hosts(2, 2) as cluster:
+        pids, token = cluster.pids, cluster.network.token
+        assert not cluster._local_pids  # no rank counts as on the driver's host
+        exp = lab.Experiment(cluster, lab.GPT(**{k: v for k, v in TINY.items() if k != "d_ff"}), lab.Parallel(dp=4),
+                             steps=3, faults=[lab.Hang(2, at_step=1)], hang_after=3.0)
+        with pytest.raises(lab.HangError) as info:
+            exp.run(progress=False)
+    report = info.value.report
+    assert [r.state for r in report.ranks] == ["in collective", "in collective", "in compute", "in collective"]
+    assert report.never_arrived == (2,) and report.flight_never_arrived == (2,), report
+    assert _left_behind(token, pids) == []
