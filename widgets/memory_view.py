@@ -133,8 +133,10 @@ def plot_memory(records: Any, moment: str = "at_rest", timeline: Any = None):
     if state["moments"] and moment not in state["bars"]:
         raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
     bars = state["bars"].get(moment, [])
-    heights = ([3.2] if bars else []) + [0.9] * len(strip["rows"])
-    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 3), sum(heights) + 0.4))
+    parts = any(b["activation_parts"] for b in bars)  # a table of parts under each rank needs room
+    heights = ([4.3 if parts else 3.2] if bars else []) + [0.9] * len(strip["rows"])
+    fig = Figure(figsize=(max(6.0 if strip["rows"] else 4.0, (2.2 if parts else 1.1) * len(bars) + 3),
+                          sum(heights) + 0.4))
     grid = fig.add_gridspec(len(heights), 1, height_ratios=heights) if heights else None
     if bars:
         _plot_bars(fig.add_subplot(grid[0]), bars, state["scale"], moment)
@@ -165,7 +167,7 @@ def _plot_bars(ax: Any, bars: list[dict[str, Any]], scale: float, moment: str) -
                       gid="formula")
         _annotate_parts(ax, i, b)
     ax.set_xticks(range(len(bars)), [f"rank {b['rank']}" for b in bars], fontsize=7)
-    ax.set_xlabel("per rank: measured (left) | predicted (right)", fontsize=7)
+    ax.set_xlabel("per rank: measured (left) | predicted (right)", fontsize=7, labelpad=2)
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(f"memory per rank at {moment}: measured beside predicted", fontsize=9)
     handles, _ = ax.get_legend_handles_labels()
@@ -186,5 +188,5 @@ def _annotate_parts(ax: Any, i: int, b: dict[str, Any]) -> None:
         return f"{v / size:.4g} {unit}"
     lines = ["activations by part: measured | predicted"] + [
         f"{p}: {fmt(v['measured'])} | {fmt(v['predicted'])}" for p, v in parts]
-    ax.text(i, -0.18, "\n".join(lines), transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=5,
+    ax.text(i, -0.2, "\n".join(lines), transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=6.5,
             gid=f"parts:{b['rank']}")

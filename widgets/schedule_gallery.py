@@ -21,7 +21,7 @@ import traitlets
 from widgets._esm import STATIC, view_module
 from widgets._gallery import _gallery_state, bubble_words
 from widgets._timeline import KINDS, LEGEND_ORDER, SHADES
-from widgets.pipeline_timeline import _LEGEND_TEXT, _box_label
+from widgets.pipeline_timeline import _LEGEND_TEXT
 
 
 class ScheduleGallery(anywidget.AnyWidget):
@@ -66,9 +66,9 @@ def plot_gallery(runs: Any):
             y = lanes[rank]
             ax.add_patch(Rectangle((start, y - 0.4), end - start, 0.8, facecolor=SHADES[kind][(chunk or 0) % 4],
                                    edgecolor="white", linewidth=0.4, gid=f"box:{kind}"))
-            label = _box_label(mb, chunk, panel["chunks"])
-            if end - start > span * len(label) / 300:  # about 3 px per character at fontsize 5
-                ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=5, color="white")
+            label = f"{mb}·c{chunk}" if panel["chunks"] > 1 and chunk is not None else f"{mb}"  # as the browser's
+            if end - start > span * (len(label) + 1) / 300:  # about 3 px per character at fontsize 5
+                ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=5, color="white", gid="label")
         guide = panel["vguide"]
         if guide["rank"]:
             ax.plot(guide["mid"], [lanes[r] for r in guide["rank"]], color="black", linestyle="--", linewidth=0.8,

@@ -36,7 +36,7 @@ const CSS = `
 .cl-mem-table td, .cl-mem-table th { padding: 0 3px; text-align: right; font-weight: normal; }
 .cl-mem-table th { color: #555; }
 .cl-mem-parts { font-size: 10px; border-collapse: collapse; margin-top: 4px; }
-.cl-mem-parts td, .cl-mem-parts th { padding: 0 3px; text-align: right; font-weight: normal; }
+.cl-mem-parts td, .cl-mem-parts th { padding: 0 3px; text-align: right; font-weight: normal; white-space: nowrap; }
 .cl-mem-parts caption { caption-side: bottom; font-size: 9px; color: #555; }
 .cl-present .cl-mem-parts { font-size: 13px; }
 .cl-mem-seg, .cl-mem-swatch { background: #999; }
@@ -175,7 +175,7 @@ function render({ model, el }) {
       item.append(sw, LABELS[cat] || cat);
       legend.appendChild(item);
     }
-    legend.append("per rank: left bar measured, right bar (faded, dashed) predicted by the exact rule; "
+    if (bars.length) legend.append("per rank: left bar measured, right bar (faded, dashed) predicted by the exact rule; "
       + "black dashes: the ZeRO formula");
     const ranks = h("div", "cl-mem-ranks");
     if (!bars.length) ranks.textContent = "no memory records";
