@@ -13,7 +13,9 @@ costs what it did), both on the last step only:
   and the optimizer step (GPipe: Huang et al., 2019; 1F1B: Narayanan et al., 2019).
   ``synthetic_forward_s`` pads every action to a fixed cost
   (``kernels.synthetic.SyntheticCost``, v = this rank's stage count) so the bubble is
-  comparable with theory; real compute with more ranks on a host than cores warns.
+  comparable with theory; real compute with more ranks on a host than cores warns. Given the
+  rank's stages and optimizer, it also samples memory after each action
+  (``kernels.memory_timeline``; the record's ``memory``).
 
 Run alone (traces a PP 4 step with synthetic costs)::
 
