@@ -50,7 +50,7 @@ def test_notebook_05_draws_every_schedule_in_jupyterlab(tmp_path):
             view = timelines.nth(i)
             assert view.locator(".cl-box[data-chunk='1']").count() > 0
             labels = view.locator(".cl-box[data-chunk='1']").all_inner_texts()
-            assert any(re.fullmatch(r"mb \d+ · chunk 1|\d+·c1", t) for t in labels), labels[:8]
+            assert any(re.fullmatch(r"mb \d+ · chunk 1|\d+·c1|c1", t) for t in labels), labels[:8]
             cut = view.locator(".cl-box").evaluate_all(
                 "els => els.filter((e) => e.textContent && e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)")
             assert not cut, cut[:8]  # a label that does not fit is shortened, or left to the tooltip

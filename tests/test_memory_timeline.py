@@ -8,7 +8,7 @@
   runs every forward before any backward, so pipeline rank 0 holds all four micro-batches at its
   peak; 1F1B holds at most p = 2, so its peak activations are well under GPipe's (the token ids are one
   storage for all micro-batches, so the ratio is under m / p = 2). The view and the figure draw the
-  samples as a strip per rank.
+  samples as a strip per rank. (The pool tests are slow: two traced runs, about 45 s here.)
 """
 from __future__ import annotations
 
@@ -39,6 +39,24 @@ def test_live_activations_equal_the_saved_ones_after_forward_and_are_freed_by_ba
     assert live.bytes == 0
 
 
+def test_strip_state_stacks_each_ranks_samples_on_one_time_axis_and_marks_its_peak():
+    def sample(rank, t, acts, **kw):
+        return MemorySample(rank=rank, t=t, kind=kw.pop("kind", "forward"), params=100, grads=0, optimizer=200,
+                            activations=acts, **kw).to_dict()
+    samples = [sample(0, 1.000, 0, kind="start"), sample(0, 1.010, 50, stage=0, microbatch=0, action="F"),
+               sample(0, 1.020, 0, kind="backward", stage=0, microbatch=0, action="B"), sample(1, 1.005, 0, kind="start"),
+               sample(1, 1.030, 2048, stage=1, microbatch=0, action="F")]
+    state = strip_state(samples)
+    assert state["ranks"] == [0, 1] and state["span_ms"] == pytest.approx(30.0) and state["scale"] == 2348
+    row = state["rows"][0]
+    assert row["t"] == pytest.approx([0.0, 10.0, 20.0]) and row["labels"] == ["start", "F mb0 s0", "B mb0 s0"]
+    assert row["stack"]["activations"] == [0, 50, 0] and row["peak"] == {"bytes": 350, "index": 1, "label": "F mb0 s0"}
+    fig = plot_memory([], timeline=samples)
+    peaks = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert peaks == ["peak 350 B after F mb0 s0", "peak 2.29 KiB after F mb0 s1"]  # as the browser writes bytes
+    assert strip_state([]) == {"ranks": [], "span_ms": 0.0, "scale": 0, "rows": []}
+
+
 @pytest.fixture(scope="module")
 def traced(cluster):
     out = {}
@@ -53,6 +71,7 @@ def _samples(res, rank):
     return [MemorySample.from_dict(s) for s in res.memory_timeline if s["rank"] == rank]
 
 
+@pytest.mark.slow
 def test_each_rank_samples_every_action_and_ends_the_step_holding_no_activations(traced):
     res = traced["1f1b"]
     for rank in range(4):
@@ -67,6 +86,7 @@ def test_each_rank_samples_every_action_and_ends_the_step_holding_no_activations
         assert max(s.activations for s in samples) > 0
 
 
+@pytest.mark.slow
 def test_gpipe_holds_every_micro_batch_at_its_peak_and_1f1b_holds_fewer(traced):
     peak = {name: max(s.activations for s in _samples(res, 0)) for name, res in traced.items()}
     gpipe = _samples(traced["gpipe"], 0)
@@ -75,6 +95,7 @@ def test_gpipe_holds_every_micro_batch_at_its_peak_and_1f1b_holds_fewer(traced):
     assert peak["1f1b"] < 0.8 * peak["gpipe"], peak
 
 
+@pytest.mark.slow
 def test_the_view_and_the_figure_draw_a_strip_per_rank(traced):
     res = traced["1f1b"]
     state = strip_state(res.memory_timeline)

@@ -323,6 +323,7 @@ def test_plot_timeline_draws_one_lane_per_rank_and_a_box_per_compute_action():
 def test_box_labels_shorten_to_fit_and_the_figure_says_what_the_browser_says():
     assert _box_label(3, 1, 2) == "mb 3 · chunk 1" and _box_label(3, None, 1) == "mb 3"
     assert _box_label(3, 1, 2, width=10, span=1000) == "3·c1"  # too narrow for the long form
+    assert _box_label(3, 1, 2, width=4, span=1000) == "c1"  # the chunk, which the shade alone does not say
     assert _box_label(3, 1, 2, width=1, span=1000) is None  # too narrow for any: the tooltip only
     assert _box_label(12, None, 1, width=4, span=1000) == "12"
     events = trace_events(pp=4, m=8, split=True)
@@ -337,7 +338,7 @@ def test_plot_memory_states_each_activation_part_measured_and_predicted():
     ax = plot_memory(records, "peak_fwd_bwd").axes[0]
     parts = next(t.get_text() for t in ax.texts if t.get_gid() == "parts:0")
     assert parts.startswith("activations by part: measured | predicted")
-    assert "attention: 8.789 KiB | 41 KiB" in parts  # measured 9000 B beside the rule's 2·(20·b·s·h + 4·b·a·s)
+    assert "attention: 8.79 KiB | 41.00 KiB" in parts  # measured 9000 B beside the rule's 2·(20·b·s·h + 4·b·a·s)
     assert sum((p.get_gid() or "") == "predicted:activations" for p in ax.patches) == 2
 
 

@@ -18,6 +18,16 @@ TITLE = "memory over the traced step, per rank (measured after each action)"
 X_LABEL = "time in the traced step (ms)"
 
 
+def fmt_bytes(v: float | None) -> str:
+    """Bytes as the browser's views write them (static/memory_view.js ``bytes``): "986.96 KiB", "600 B", "n/a"."""
+    if v is None:
+        return "n/a"
+    units, k = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while abs(v) >= 1024 and k < len(units) - 1:
+        v, k = v / 1024, k + 1
+    return f"{v:.2f} {units[k]}" if k else f"{v:g} B"
+
+
 def sample_label(s: dict[str, Any]) -> str:
     """What the rank had just done: "F mb3 s1" for a compute action, else its kind ("optimizer", "start")."""
     if s["action"]:
@@ -63,7 +73,7 @@ def draw_strip(fig: Any, grid: Any, state: dict[str, Any], colors: dict[str, str
             low = high
         k = row["peak"]["index"]
         ax.plot([row["t"][k]], [row["peak"]["bytes"] / size], marker="v", color="black", gid=f"strip-peak:{row['rank']}")
-        ax.annotate(f"peak {row['peak']['bytes'] / size:.4g} {name} after {row['peak']['label']}",
+        ax.annotate(f"peak {fmt_bytes(row['peak']['bytes'])} after {row['peak']['label']}",
                     (row["t"][k], row["peak"]["bytes"] / size), fontsize=6, xytext=(3, -8), textcoords="offset points")
         ax.set_ylim(0, state["scale"] / size * 1.15)
         ax.set_ylabel(f"rank {row['rank']}\n({name})", fontsize=7)

@@ -22,7 +22,7 @@ import traitlets
 
 from kernels.records import MemoryRecord
 from widgets._esm import view_module
-from widgets._memory_strip import draw_strip, strip_state
+from widgets._memory_strip import draw_strip, fmt_bytes, strip_state
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations",
@@ -181,12 +181,8 @@ def _annotate_parts(ax: Any, i: int, b: dict[str, Any]) -> None:
     parts = sorted(b["activation_parts"].items(), key=lambda kv: -(kv[1]["measured"] or 0))
     if not parts:
         return
-    def fmt(v: Any) -> str:
-        if v is None:
-            return "no rule"
-        unit, size = _unit(v)
-        return f"{v / size:.4g} {unit}"
     lines = ["activations by part: measured | predicted"] + [
-        f"{p}: {fmt(v['measured'])} | {fmt(v['predicted'])}" for p, v in parts]
+        f"{p}: {fmt_bytes(v['measured'])} | {'no rule' if v['predicted'] is None else fmt_bytes(v['predicted'])}"
+        for p, v in parts]
     ax.text(i, -0.2, "\n".join(lines), transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=6.5,
             gid=f"parts:{b['rank']}")

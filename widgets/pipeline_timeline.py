@@ -100,10 +100,10 @@ _STYLE = {"wait": {"facecolor": "white", "edgecolor": "#c0392b", "hatch": "////"
 
 def _box_label(mb: Any, chunk: int | None, chunks: int, width: float = float("inf"), span: float = 1.0) -> str | None:
     """What a compute box says, as in the browser: the micro-batch, and the chunk where a rank holds several;
-    shortened to "3·c1" (or "3") where the long form would not fit the box's ``width`` (of ``span``), None where
-    neither fits. At the figure's 5 pt labels one character takes about 1/600 of the 10-inch axes."""
+    shortened to "3·c1", then "c1" (or "3") where the long form would not fit the box's ``width`` (of ``span``),
+    None where none fits. At the figure's 5 pt labels one character takes about 1/600 of the 10-inch axes."""
     many = chunks > 1 and chunk is not None
-    for text in ([f"mb {mb} · chunk {chunk}", f"{mb}·c{chunk}"] if many else [f"mb {mb}", f"{mb}"]):
+    for text in ([f"mb {mb} · chunk {chunk}", f"{mb}·c{chunk}", f"c{chunk}"] if many else [f"mb {mb}", f"{mb}"]):
         if width > span * len(text) / 600:
             return text
     return None

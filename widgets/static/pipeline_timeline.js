@@ -1,6 +1,6 @@
 // PipelineTimeline: one `.cl-lane` per rank (data-rank) holding `.cl-box` compute actions (data-kind F|B|I|W,
 // data-mb, data-stage, data-chunk: which of the rank's stages, shaded per chunk, labelled "mb 3 · chunk 1", or "3·c1"
-// where the box is too narrow, or only in its tooltip where even that would be cut),
+// or "c1" where the box is too narrow, or only in its tooltip where even that would be cut),
 // `.cl-idle` gaps between them (blank), and `.cl-comm` strips (send, recv, collectives, optimizer) cut into
 // `.cl-wait` (hatched: blocked before the peer arrived) and `.cl-transfer` (solid: data moving); a `.cl-axis` in ms;
 // replay in event order with `.cl-play` and `.cl-scrub`; the bubble in `.cl-bubble`; the planned order as
@@ -155,16 +155,27 @@ function laneRows(ranks, bubble, match) {
   return { lanes, tracks, plans };
 }
 
-// A box's label at its width: "mb 3 · chunk 1" where it fits, else the short "3·c1" (or "3"), else none (the
-// tooltip still says it all). `fit.px` is the track's width in pixels, `fit.char` one character's width at the
-// box's font size, so a label is never cut: the browser test checks that no label overflows its box.
+// A box's label at its width: "mb 3 · chunk 1" where it fits, else the short "3·c1", else "c1" (the chunk is what
+// the shade alone does not make readable), and "mb 3" / "3" with one chunk; else none (the tooltip says it all). `fit.px` is the track's width in pixels and `fit.width(text)` the text's width in
+// the box's font, so a label is never cut: the browser test checks that no label overflows its box.
 function boxLabel(mb, chunk, chunks, widthMs, fit) {
   const many = chunks > 1 && chunk !== null;
-  const px = (widthMs / fit.span) * fit.px - 4;
-  for (const text of many ? [`mb ${mb} · chunk ${chunk}`, `${mb}·c${chunk}`] : [`mb ${mb}`, `${mb}`]) {
-    if (text.length * fit.char <= px) return text;
+  const px = (widthMs / fit.span) * fit.px - 3; // the 1px borders, and a pixel to spare
+  for (const text of many ? [`mb ${mb} · chunk ${chunk}`, `${mb}·c${chunk}`, `c${chunk}`] : [`mb ${mb}`, `${mb}`]) {
+    if (fit.width(text) <= px) return text;
   }
   return undefined;
+}
+
+// Text widths in a font (one canvas, each distinct label measured once): a label is chosen before the box is laid out.
+function textWidths(font) {
+  const ctx = document.createElement("canvas").getContext("2d");
+  ctx.font = font;
+  const seen = new Map();
+  return (text) => {
+    if (!seen.has(text)) seen.set(text, ctx.measureText(text).width);
+    return seen.get(text);
+  };
 }
 
 function piece(track, cls, c, i, start, end, span, items, text) {
@@ -208,7 +219,7 @@ function idleGaps(g, tracks, span, items) {
 }
 
 function plannedBoxes(p, plans, span, chunks, fit) {
-  const small = { ...fit, char: fit.char * 0.9 }; // planned boxes use a smaller font
+  const small = { ...fit, width: textWidths(fit.font.replace(/\d+px/, "8px")) }; // planned boxes: 8px type
   for (let i = 0; i < p.rank.length; i++) {
     const e = h("div", "cl-planned-box", boxLabel(p.mb[i], p.chunk[i], chunks, p.end[i] - p.start[i], small));
     Object.assign(e.dataset, { kind: p.kind[i], mb: p.mb[i], stage: p.stage[i] });
@@ -315,7 +326,9 @@ function render({ model, el }) {
     frag.append(ui.bar, ui.legend, bubbleBox(bubble, Math.max(0, ...c.end)));
     const { lanes, tracks, plans } = laneRows(model.get("ranks"), bubble, model.get("plan_match") || {});
     root.classList.toggle("cl-present", model.get("present"));
-    const fit = { span, px: trackWidth(root), char: model.get("present") ? 8.5 : 5.6 };
+    const family = getComputedStyle(root).fontFamily || "sans-serif";
+    const font = model.get("present") ? `600 13px ${family}` : `9px ${family}`; // .cl-box's type (css)
+    const fit = { span, px: trackWidth(root), font, width: textWidths(font) };
     items = eventBoxes(c, tracks, span, chunks, fit);
     idleGaps(idle, tracks, span, items);
     items.sort((a, b) => a[1] - b[1]);
