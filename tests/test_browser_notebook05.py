@@ -88,6 +88,11 @@ def check_gallery(page) -> None:
     assert gallery.locator(".cl-gallery-bubble-mean").count() == 5
     assert gallery.locator(".cl-gallery-panel[data-name='ZBV zero bubble'] .cl-vguide").count() == 1
     assert gallery.locator(".cl-gallery-panel .cl-box").count() > 0
+    zbv = gallery.locator(".cl-gallery-panel[data-name='ZBV zero bubble'] .cl-box[data-chunk='1']").all_inner_texts()
+    assert any(re.fullmatch(r"\d+·c1|c1", t) for t in zbv), zbv[:8]  # the chunk said even on narrow boxes
+    cut = gallery.locator(".cl-box").evaluate_all(
+        "els => els.filter((e) => e.textContent && e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)")
+    assert not cut, cut[:8]
     _save(gallery, "notebook05_gallery.png")
 
 

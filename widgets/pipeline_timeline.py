@@ -38,7 +38,7 @@ class PipelineTimeline(anywidget.AnyWidget):
     idle gaps (``.cl-idle``), p2p and collectives cut into waiting (``.cl-wait``) and moving data
     (``.cl-transfer``), a play/scrub replay in event order, the bubble beside theory and a planned overlay."""
 
-    _esm = view_module("vguide.js", "pipeline_timeline.js")
+    _esm = view_module("vguide.js", "box_label.js", "pipeline_timeline.js")
     _css = _STATIC / "pipeline_timeline.css"
 
     ranks = traitlets.List().tag(sync=True)  # lane order

@@ -155,29 +155,6 @@ function laneRows(ranks, bubble, match) {
   return { lanes, tracks, plans };
 }
 
-// A box's label at its width: "mb 3 · chunk 1" where it fits, else the short "3·c1", else "c1" (the chunk is what
-// the shade alone does not make readable), and "mb 3" / "3" with one chunk; else none (the tooltip says it all). `fit.px` is the track's width in pixels and `fit.width(text)` the text's width in
-// the box's font, so a label is never cut: the browser test checks that no label overflows its box.
-function boxLabel(mb, chunk, chunks, widthMs, fit) {
-  const many = chunks > 1 && chunk !== null;
-  const px = (widthMs / fit.span) * fit.px - 3; // the 1px borders, and a pixel to spare
-  for (const text of many ? [`mb ${mb} · chunk ${chunk}`, `${mb}·c${chunk}`, `c${chunk}`] : [`mb ${mb}`, `${mb}`]) {
-    if (fit.width(text) <= px) return text;
-  }
-  return undefined;
-}
-
-// Text widths in a font (one canvas, each distinct label measured once): a label is chosen before the box is laid out.
-function textWidths(font) {
-  const ctx = document.createElement("canvas").getContext("2d");
-  ctx.font = font;
-  const seen = new Map();
-  return (text) => {
-    if (!seen.has(text)) seen.set(text, ctx.measureText(text).width);
-    return seen.get(text);
-  };
-}
-
 function piece(track, cls, c, i, start, end, span, items, text) {
   const e = h("div", cls, text);
   e.dataset.kind = c.kind[i];
@@ -197,7 +174,7 @@ function eventBoxes(c, tracks, span, chunks, fit) {
     const k = c.kind[i], track = tracks[c.rank[i]];
     if (LABEL[k]) {
       piece(track, "cl-box", c, i, c.start[i], c.end[i], span, items,
-        boxLabel(c.mb[i], c.chunk[i], chunks, c.end[i] - c.start[i], fit));
+        fitted(boxTexts(c.mb[i], c.chunk[i], chunks), c.end[i] - c.start[i], fit));
     } else if (c.ready[i] === null) {
       piece(track, "cl-comm", c, i, c.start[i], c.end[i], span, items);
     } else {
@@ -221,7 +198,7 @@ function idleGaps(g, tracks, span, items) {
 function plannedBoxes(p, plans, span, chunks, fit) {
   const small = { ...fit, width: textWidths(fit.font.replace(/\d+px/, "8px")) }; // planned boxes: 8px type
   for (let i = 0; i < p.rank.length; i++) {
-    const e = h("div", "cl-planned-box", boxLabel(p.mb[i], p.chunk[i], chunks, p.end[i] - p.start[i], small));
+    const e = h("div", "cl-planned-box", fitted(boxTexts(p.mb[i], p.chunk[i], chunks), p.end[i] - p.start[i], small));
     Object.assign(e.dataset, { kind: p.kind[i], mb: p.mb[i], stage: p.stage[i] });
     if (p.chunk[i] !== null) e.dataset.chunk = p.chunk[i];
     e.style.cssText = `left:${pct(p.start[i], span)};width:${pct(p.end[i] - p.start[i], span)}`;
@@ -229,12 +206,6 @@ function plannedBoxes(p, plans, span, chunks, fit) {
       + `${ms(p.start[i])} to ${ms(p.end[i])} (laid out with the measured mean duration of ${p.kind[i]})`;
     plans[p.rank[i]].appendChild(e);
   }
-}
-
-// The tracks' width in pixels: the view's width less the lane labels (one layout read per build).
-function trackWidth(root) {
-  const label = parseFloat(getComputedStyle(root).getPropertyValue("--cl-label")) || 120;
-  return Math.max(200, (root.clientWidth || root.parentElement.clientWidth || 800) - label - 8);
 }
 
 function render({ model, el }) {
