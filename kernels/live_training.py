@@ -144,7 +144,7 @@ class LiveTraining:
             probe = PipelineProbe(self.params_module, self.optimizer, self.device, self.pipe.stages) if self.pipe \
                 else StepProbe(self.model, self.optimizer, self.device)
         if self.run.trace and self.pipe:
-            tracer = PipelineTracer(self.run, self.pipe, self.device)
+            tracer = PipelineTracer(self.run, self.pipe, self.device, self.params_module, self.optimizer)
         return probe, tracer
 
     def _records(self, return_params: bool) -> dict[str, Any]:

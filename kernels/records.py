@@ -229,6 +229,7 @@ class MemoryRecord(Record):
     predicted: float | None  # the exact rule: chunk/padding, ZeRO-1 greedy partition, step scalars
     formula: float | None  # The ZeRO formula of docs/design.md#zero-formulas for the dtypes held (fp32: 4Ψ, 4Ψ, K=8)
     note: str = ""  # why predicted differs from formula (padding, partition, step scalars, TP)
+    predicted_source: str = ""  # where ``predicted`` comes from, or why there is none (activations: activation_rules)
 
 
 @dataclass(frozen=True)
@@ -327,3 +328,30 @@ class FlightGroup(Record):
     last_seq: int  # the group's sequence number of the last collective this rank entered
     last_op: str  # that collective, as c10d names it ("gloo:all_reduce", "nccl:reduce_scatter" ...)
     last_done_seq: int  # the last one that finished on this rank
+
+
+@dataclass(frozen=True)
+class MemorySample(Record):
+    """What one rank held at the end of one action of the traced step (``kernels.memory_timeline``), bytes.
+
+    kind: start | forward | backward | backward_weight (with stage, micro-batch and F/B/I/W action) | all_reduce |
+    optimizer. ``t`` is in seconds since rank 0's epoch, as ``TraceEvent`` times.
+    """
+
+    rank: int
+    t: float
+    kind: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # storages autograd holds for backward at this instant, parameters left out
+    stage: int | None = None
+    microbatch: int | None = None
+    action: str = ""
+    cuda_allocated: int | None = None  # torch.cuda.memory_allocated; None on CPU
+    step: int = 0
+
+    @property
+    def total(self) -> int:
+        """The four categories together."""
+        return self.params + self.grads + self.optimizer + self.activations

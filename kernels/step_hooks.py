@@ -13,7 +13,9 @@ costs what it did), both on the last step only:
   and the optimizer step (GPipe: Huang et al., 2019; 1F1B: Narayanan et al., 2019).
   ``synthetic_forward_s`` pads every action to a fixed cost
   (``kernels.synthetic.SyntheticCost``, v = this rank's stage count) so the bubble is
-  comparable with theory; real compute with more ranks on a host than cores warns.
+  comparable with theory; real compute with more ranks on a host than cores warns. Given the
+  rank's stages and optimizer, it also samples memory after each action
+  (``kernels.memory_timeline``; the record's ``memory``).
 
 Run alone (traces a PP 4 step with synthetic costs)::
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.measure import PipelineProbe, StepProbe
+from kernels.memory_timeline import MemorySampler
 from kernels.parallel.pipeline import PipelineRuntime, planned_compute_order
 from kernels.run_config import RunConfig
 from kernels.synthetic import SyntheticCost, oversubscription_warning
@@ -38,7 +41,8 @@ from kernels.trace import TraceRecorder, align_clocks, traced
 class PipelineTracer:
     """The last step's recorder, synthetic cost and clock sync; ``record`` is the plain trace record."""
 
-    def __init__(self, run: RunConfig, runtime: PipelineRuntime, device: torch.device) -> None:
+    def __init__(self, run: RunConfig, runtime: PipelineRuntime, device: torch.device,
+                 model: torch.nn.Module | None = None, optimizer: Any = None) -> None:
         self.runtime, self.device, self.rounds = runtime, device, run.align_rounds
         forward_s = run.synthetic_forward_s
         self.synthetic = SyntheticCost(float(forward_s), len(runtime.stage_ids)) if forward_s else None
@@ -50,12 +54,17 @@ class PipelineTracer:
         # Synthetic actions sleep on the CPU clock, so their events are timed on it too.
         self.rec = TraceRecorder(rank, device, cpu_clock=self.synthetic is not None)
         self.sync: dict | None = None
+        if model is not None:  # memory along the step (kernels.memory_timeline); compiled code keeps its own saves
+            self.rec.sampler = None if run.compile else MemorySampler(model, optimizer, device, self.rec.clock, rank)
 
     def begin(self, step: int) -> None:
         """Align the clocks (every rank of the default group), then start the step together."""
         self.sync = align_clocks(self.rounds, self.device)
         self.rec.step = step
         dist.barrier()
+        if self.rec.sampler is not None:
+            self.rec.sampler.step = step
+            self.rec.sampler.sample("start")
 
     def record(self, pp_rank: int, dp_rank: int, dp: int, pp: int) -> dict[str, Any]:
         r = self.runtime
@@ -65,7 +74,8 @@ class PipelineTracer:
                 "synthetic": self.synthetic is not None,
                 "synthetic_cost": self.synthetic.summary() if self.synthetic else None,
                 "events": self.rec.events(self.sync), "clock": self.sync,
-                "planned": planned_compute_order(r, pp_rank), "warnings": [self.warning] if self.warning else []}
+                "planned": planned_compute_order(r, pp_rank), "warnings": [self.warning] if self.warning else [],
+                "memory": self.rec.sampler.records(self.sync) if self.rec.sampler is not None else []}
 
 
 class StepHooks:
@@ -104,6 +114,8 @@ class StepHooks:
                 if self.tracer is not None and kind is not None:
                     stack.enter_context(self.tracer.rec.span(kind, **extra))
             yield
+        if self._watching() and self.tracer is not None and kind is not None and self.tracer.rec.sampler is not None:
+            self.tracer.rec.sampler.sample(kind)
 
     def forward(self, last_micro: bool) -> contextlib.AbstractContextManager:
         """Around the last micro-batch's forward: the probe counts saved activations, then snapshots memory."""
@@ -112,8 +124,13 @@ class StepHooks:
 
     def schedule(self, stages: list) -> contextlib.AbstractContextManager:
         """Around a pipeline schedule's step: the tracer instruments its stages."""
-        return traced(stages, self.tracer.rec, self.tracer.synthetic) if self.tracer is not None \
-            and self._watching() else contextlib.nullcontext()
+        if self.tracer is None or not self._watching():
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.tracer.rec.sampler is not None:  # saved tensors are counted while alive (kernels.memory_timeline)
+            stack.enter_context(self.tracer.rec.sampler.live.counting())
+        stack.enter_context(traced(stages, self.tracer.rec, self.tracer.synthetic))
+        return stack
 
     def at_rest(self) -> None:
         """After the optimizer step, before zero_grad."""

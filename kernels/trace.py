@@ -81,6 +81,7 @@ class TraceRecorder:
         use_cuda = self.device.type == "cuda" and not cpu_clock
         self.clock = _CudaClock(self.device) if use_cuda else _CpuClock()
         self._raw: list[tuple[Any, Any, dict]] = []
+        self.sampler: Any = None  # a kernels.memory_timeline.MemorySampler: memory after each compute action
 
     def add(self, start: Any, end: Any, kind: str, stage: int | None = None,
             microbatch: int | None = None, **extra: Any) -> None:
@@ -122,6 +123,8 @@ def _timed_compute(fn: Callable, rec: TraceRecorder, stage: int, kind: str,
         cpu_start = time.perf_counter()
         start = rec.clock.mark()
         out = fn(chunk_id, *args, **kwargs)
+        if rec.sampler is not None:  # before the pad, so a synthetic box keeps its length
+            rec.sampler.sample(kind, stage, chunk_id, action)
         if synthetic is not None:
             synthetic.pad(cpu_start, action)
         rec.add(start, rec.clock.mark(), kind, stage, chunk_id, action=action)

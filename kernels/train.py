@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 from typing import Any
@@ -97,8 +98,17 @@ def _train_flat(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp
            **ckpt.record()}
     if probe is not None:  # the measured record beside the layout it measured
         out["measure"] = measure_record(layout, dims, device, probe, loss=losses[-1],
-                                        microbatches=strategy.microbatches)
+                                        microbatches=strategy.microbatches, **activation_sizes(run, dims, strategy))
     return out
+
+
+def activation_sizes(run: RunConfig, dims: ParallelDims, strategy: Strategy) -> dict[str, Any]:
+    """What ``kernels.activation_rules`` needs to predict the measured activations by part: the model's sizes,
+    the micro-batch and the flags that change what is saved."""
+    return {"model": dataclasses.asdict(model_config(run)),
+            "micro_batch": run.global_batch // (dims.dp * strategy.microbatches),
+            "activation_checkpointing": run.activation_checkpointing, "mixed_precision": run.mixed_precision,
+            "sequence_parallel": run.sequence_parallel}
 
 
 def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh, dp_mesh, device,
@@ -113,7 +123,7 @@ def _train_pipeline(run: RunConfig, dims: ParallelDims, strategy: Strategy, mesh
     ckpt = RunCheckpoints(run, stack, optimizer, strategy)
     first = ckpt.resume()
     probe = PipelineProbe(stack, optimizer, device, runtime.stages) if run.measure else None
-    tracer = PipelineTracer(run, runtime, device) if run.trace else None
+    tracer = PipelineTracer(run, runtime, device, stack, optimizer) if run.trace else None
     if watch is not None:
         watch.attach(list(runtime.modules), optimizer, list(runtime.stage_ids))
     by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1

@@ -151,10 +151,10 @@ class Controls:
         if result.events:
             self.timeline.update(result.events, result.bubble or None,
                                  {rank: acts for rank, acts in enumerate(result.planned) if acts})
-        if result.memory_records:
-            self.memory.update(result.memory_records)
+        if result.memory_records or result.memory_timeline:
+            self.memory.update(result.memory_records, result.memory_timeline)
         self.timeline.layout.display = None if result.events else "none"
-        self.memory.layout.display = None if result.memory_records else "none"
+        self.memory.layout.display = None if result.memory_records or result.memory_timeline else "none"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)

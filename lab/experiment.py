@@ -232,6 +232,7 @@ def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any], hosts: lis
         out["clock"] = [t["clock"] for t in traces]
         out["planned"] = planned_orders(traces)
         out["bubble"] = bubble_from_records(traces).to_dict()
+        out["memory_timeline"] = [m for t in traces for m in t.get("memory", [])]  # kernels.memory_timeline samples
         out["warnings"] = sorted({w for t in traces for w in t["warnings"]})
         overruns = sum((t["synthetic_cost"] or {}).get("overruns", 0) for t in traces)
         if overruns:

@@ -40,6 +40,7 @@ import math
 import re
 from typing import Any
 
+from kernels import activation_rules
 from kernels.measure import measure_rank
 from kernels.records import CommRecord, MemoryRecord
 from lab import host_traffic
@@ -162,19 +163,30 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
             rows.append(MemoryRecord(rank=record["rank"], moment=moment, category=category,
                                      measured=snap[category], predicted=pred[moment][category],
                                      formula=form[moment][category], note=_memory_note(record, category)))
-        if snap.get("activations") is not None:
-            rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="activations",
-                                     measured=snap["activations"], predicted=None, formula=None,
-                                     note="unique storages saved for backward, parameters left out"))
-        for part, nbytes in snap.get("activation_parts", {}).items():  # the same bytes again, split by part
-            rows.append(MemoryRecord(rank=record["rank"], moment=moment, category=f"activations.{part}",
-                                     measured=nbytes, predicted=None, formula=None, note=PART_SOURCE))
+        rows += _activation_rows(record, moment, snap)
         rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_allocated",
                                  measured=snap.get("cuda_allocated"), predicted=None, formula=None,
                                  note="torch.cuda.memory_allocated at this moment: every live tensor; None on CPU"))
         rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_max_allocated",
                                  measured=snap.get("cuda_max_allocated"), predicted=None, formula=None,
                                  note="torch.cuda.max_memory_allocated since the step began; None on CPU"))
+    return rows
+
+
+def _activation_rows(record: dict[str, Any], moment: str, snap: dict[str, Any]) -> list[MemoryRecord]:
+    """The activations measured at ``moment`` and, split by part, each beside the lab GPT's rule where it holds."""
+    if snap.get("activations") is None:
+        return []
+    parts = snap.get("activation_parts", {})
+    rule = activation_rules.predicted_for(record) if parts else None
+    source = activation_rules.SOURCE if rule else f"not predicted: {activation_rules.why_not(record) or 'no split'}"
+    rows = [MemoryRecord(rank=record["rank"], moment=moment, category="activations", measured=snap["activations"],
+                         predicted=sum(rule.values()) if rule else None, formula=None,
+                         note="unique storages saved for backward, parameters left out", predicted_source=source)]
+    for part, nbytes in parts.items():  # the same bytes again, split by part
+        rows.append(MemoryRecord(rank=record["rank"], moment=moment, category=f"activations.{part}",
+                                 measured=nbytes, predicted=rule.get(part, 0) if rule else None, formula=None,
+                                 note=PART_SOURCE, predicted_source=source))
     return rows
 
 

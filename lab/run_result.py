@@ -58,6 +58,8 @@ class RunResult:
     # every run (kernels.rank_watch): per rank and step, time in collectives against the rest
     step_waits: list[dict[str, Any]] = field(default_factory=list)  # kernels.collective_log.StepWait dicts
     faults: list[dict[str, Any]] = field(default_factory=list)  # lab.Slow/Hang/Crash/Kill injected, as dicts
+    # trace=True: what each rank held after each action of the traced step (kernels.records.MemorySample dicts)
+    memory_timeline: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -108,17 +110,23 @@ class RunResult:
         self._need("events", "trace events")
         return _timeline.to_chrome_trace(self.events, path)
 
+    def _need_memory(self) -> None:
+        if not (self.memory_records or self.memory_timeline):
+            raise NotRecordedError("this run recorded no memory: pass measure=True (memory by category) or "
+                                   "trace=True on a pipeline layout (memory along the traced step) to lab.Experiment")
+
     def memory(self, moment: str = "at_rest"):
-        """``widgets.MemoryView``: per rank and category, measured beside predicted and the ZeRO formula."""
+        """``widgets.MemoryView``: per rank and category, measured beside predicted and the ZeRO formula, and the
+        traced step's memory over time per rank (trace=True)."""
         from widgets import MemoryView
-        self._need("memory_records", "memory")
-        return MemoryView(self.memory_records, moment)
+        self._need_memory()
+        return MemoryView(self.memory_records, moment, timeline=self.memory_timeline)
 
     def plot_memory(self, moment: str = "at_rest"):
-        """The memory view at ``moment`` as a matplotlib Figure."""
+        """The memory view at ``moment`` as a matplotlib Figure (with the over-time strip when traced)."""
         from widgets import plot_memory
-        self._need("memory_records", "memory")
-        return plot_memory(self.memory_records, moment)
+        self._need_memory()
+        return plot_memory(self.memory_records, moment, timeline=self.memory_timeline)
 
     def comm(self) -> CommTable:
         """Per rank and collective type: count, bytes, seconds and busbw beside the analytic volume."""

@@ -10,7 +10,7 @@ The expected bytes are what each part's ops save for backward in fp32 on CPU, wo
 - norms: each LayerNorm's input plus its fp32 mean and rstd = (2L + 1)·(b·s·h + 2·b·s) floats;
 - projection: lm_head's input = b·s·h floats;
 - embeddings: the token ids and the positions, int64 = 8·b·s + 8·s bytes;
-- cross-entropy: the log-softmax of the logits = b·s·V floats, and one fp32 scalar.
+- cross-entropy: the log-softmax of the logits = b·s·V floats, the int64 targets (8·b·s bytes) and one fp32 scalar.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import torch
 import torch.nn as nn
 
 from kernels.activation_parts import PARTS, PartTracker, part_of
+from kernels.activation_rules import SOURCE, predicted_parts
 from kernels.memory import SavedActivations
 from kernels.model import GPTConfig, build_gpt, loss_fn
-from tests.test_widgets_timeline import mem_records
+from lab.measure import memory_records
+from tests.test_widgets_timeline import mem_records, memory_rank_record
 from widgets.memory_view import _memory_state
 
 B, S, H, F, A, V, L = 8, 16, 32, 64, 4, 64, 2
@@ -29,13 +31,15 @@ B, S, H, F, A, V, L = 8, 16, 32, 64, 4, 64, 2
 def test_each_part_saves_what_its_ops_keep_for_backward():
     torch.manual_seed(0)
     model = build_gpt(GPTConfig(layers=L, d_model=H, heads=A, vocab=V, seq_len=S, d_ff=F))
-    tokens = torch.randint(0, V, (B, S))
+    tokens = torch.randint(0, V, (B, S + 1))
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # two tensors, as the training data gives
     with SavedActivations(model) as acts:
-        loss = loss_fn(model(tokens), tokens)
+        loss = loss_fn(model(inputs), targets)
     expected = {"attention": L * (4 * 5 * B * S * H + 4 * B * A * S), "mlp": L * 4 * (B * S * H + 2 * B * S * F),
                 "norms": (2 * L + 1) * 4 * (B * S * H + 2 * B * S), "projection": 4 * B * S * H,
-                "embeddings": 8 * B * S + 8 * S, "cross-entropy": 4 * B * S * V + 4}
+                "embeddings": 8 * B * S + 8 * S, "cross-entropy": 4 * B * S * V + 8 * B * S + 4}
     assert acts.parts == expected
+    assert predicted_parts(B, S, H, A, F, V, L) == expected  # the rule the driver puts beside each measured part
     assert sum(acts.parts.values()) == acts.bytes
     loss.backward()  # the hooks are gone: a second forward outside the context counts nothing
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
@@ -66,3 +70,29 @@ def test_the_memory_view_shows_parts_as_a_table_not_as_more_bars():
         assert bar["measured"] == plain["bars"]["peak_fwd_bwd"][rank]["measured"]  # no bytes counted twice
         assert all("saved-tensor hooks" in v["source"] for v in bar["activation_parts"].values())
     assert all(bar["activation_parts"] == {} for bar in state["bars"]["at_rest"])
+
+
+def test_each_predicted_part_follows_the_rule_for_the_records_sizes_and_states_its_source():
+    model = {"layers": L, "d_model": H, "heads": A, "vocab": V, "seq_len": S, "d_ff": F}
+    record = {**memory_rank_record(0, dp=1), "model": model, "micro_batch": B}
+    measured = {"attention": 11_000, "mlp": 9_000, "norms": 5_000, "projection": 4_000, "embeddings": 1_000,
+                "cross-entropy": 33_000}
+    record["memory"]["peak_fwd_bwd"].update(activation_parts=measured, activations=sum(measured.values()))
+    rows = {r.category: r for r in memory_records(record) if r.moment == "peak_fwd_bwd"}
+    rule = predicted_parts(B, S, H, A, F, V, L)
+    for part, nbytes in measured.items():
+        row = rows[f"activations.{part}"]
+        assert (row.measured, row.predicted) == (nbytes, rule[part])
+        assert row.predicted_source == SOURCE and "saved-tensor hooks" in row.note
+    assert rows["activations"].predicted == sum(rule.values())
+    b2 = predicted_parts(2 * B, S, H, A, F, V, L)  # linear in the micro-batch except the positions
+    assert b2["mlp"] == 2 * rule["mlp"] and b2["embeddings"] == rule["embeddings"] + 8 * B * S
+    bar = _memory_state([r.to_dict() for r in memory_records(record)])["bars"]["peak_fwd_bwd"][0]
+    assert {p: v["predicted"] for p, v in bar["activation_parts"].items()} == {p: rule[p] for p in measured}
+    assert bar["predicted"]["activations"] == sum(rule.values())
+    for dims, why in (({"tp": 2}, "tensor parallel"), ({"pp": 2}, "pipeline")):  # no rule: said so, no number
+        other = {**record, "dims": {**record["dims"], **dims}}
+        rows = [r for r in memory_records(other) if r.category.startswith("activations")]
+        assert all(r.predicted is None and why in r.predicted_source for r in rows)
+    rows = [r for r in memory_records({**record, "activation_checkpointing": True}) if r.category == "activations"]
+    assert rows[0].predicted is None and "activation_checkpointing" in rows[0].predicted_source

@@ -2,8 +2,9 @@
 
 Checks what a teacher projecting it needs: five measured timelines (naive, GPipe, 1F1B,
 interleaved 1F1B, ZBV), chunk labels on the boxes of the schedules that hold two chunks per
-rank, idle / waiting / transfer drawn as three distinct classes, the schedule gallery on one
-time axis, and no glyph that a system font may lack. A screenshot of every view is saved
+rank (shortened, never cut, where a box is narrow), idle / waiting / transfer drawn as three
+distinct classes, the schedule gallery on one time axis, GPipe's and 1F1B's memory over the traced
+step (a strip per rank with its peak), and no glyph that a system font may lack. A screenshot of every view is saved
 under test-artifacts/ (the paths are printed).
 """
 from __future__ import annotations
@@ -45,11 +46,14 @@ def test_notebook_05_draws_every_schedule_in_jupyterlab(tmp_path):
         heads = [timelines.nth(i).locator(".cl-bubble-head").inner_text() for i in range(5)]
         assert [h.split(" ")[0] for h in heads] == SCHEDULES, heads
 
-        for i in (3, 4):  # interleaved 1F1B and ZBV: two chunks per rank, said on the box
+        for i in (3, 4):  # interleaved 1F1B and ZBV: two chunks per rank, said on the box, never cut
             view = timelines.nth(i)
             assert view.locator(".cl-box[data-chunk='1']").count() > 0
-            labels = view.locator(".cl-box").all_inner_texts()
-            assert any(re.fullmatch(r"mb \d+ · chunk 1", t) for t in labels), labels[:8]
+            labels = view.locator(".cl-box[data-chunk='1']").all_inner_texts()
+            assert any(re.fullmatch(r"mb \d+ · chunk 1|\d+·c1|c1", t) for t in labels), labels[:8]
+            cut = view.locator(".cl-box").evaluate_all(
+                "els => els.filter((e) => e.textContent && e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)")
+            assert not cut, cut[:8]  # a label that does not fit is shortened, or left to the tooltip
         assert "chunk" not in " ".join(timelines.nth(2).locator(".cl-box").all_inner_texts())  # 1F1B: one chunk
         assert timelines.nth(4).locator(".cl-vguide").count() == 1  # ZBV: the V guide
         assert sum(timelines.nth(i).locator(".cl-vguide").count() for i in range(4)) == 0
@@ -70,6 +74,7 @@ def test_notebook_05_draws_every_schedule_in_jupyterlab(tmp_path):
         for i, name in enumerate(names):
             _save(timelines.nth(i), f"notebook05_timeline_{name}.png")
         check_gallery(page)
+        check_memory_strips(page)
         screenshot(page, "notebook05.png")
 
 
@@ -83,4 +88,31 @@ def check_gallery(page) -> None:
     assert gallery.locator(".cl-gallery-bubble-mean").count() == 5
     assert gallery.locator(".cl-gallery-panel[data-name='ZBV zero bubble'] .cl-vguide").count() == 1
     assert gallery.locator(".cl-gallery-panel .cl-box").count() > 0
+    zbv = gallery.locator(".cl-gallery-panel[data-name='ZBV zero bubble'] .cl-box[data-chunk='1']").all_inner_texts()
+    assert any(re.fullmatch(r"\d+·c1|c1", t) for t in zbv), zbv[:8]  # the chunk said even on narrow boxes
+    cut = gallery.locator(".cl-box").evaluate_all(
+        "els => els.filter((e) => e.textContent && e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)")
+    assert not cut, cut[:8]
     _save(gallery, "notebook05_gallery.png")
+
+
+def check_memory_strips(page) -> None:
+    """GPipe's and 1F1B's memory over the traced step: a strip per rank, each with its measured peak; rank 0's
+    peak is higher under GPipe (every micro-batch's activations held at once)."""
+    peaks = []
+    for i, name in enumerate(("gpipe", "1f1b")):
+        view = page.locator(".cl-memory").nth(i)
+        view.scroll_into_view_if_needed()
+        view.locator(".cl-mem-strip-rank").nth(3).wait_for(timeout=10_000)
+        assert view.locator(".cl-mem-strip-rank").count() == 4
+        for category in ("params", "grads", "optimizer", "activations"):
+            assert view.locator(f".cl-mem-strip-rank[data-rank='0'] path[data-category='{category}']").count() == 1
+        peak = view.locator(".cl-mem-strip-rank[data-rank='0'] .cl-mem-strip-peak")
+        assert re.match(r"peak [\d.]+ KiB after [FB] mb\d+ s\d+", peak.inner_text()), peak.inner_text()
+        peaks.append(int(peak.get_attribute("data-bytes")))
+        plot = view.locator(".cl-mem-strip-rank[data-rank='0'] .cl-mem-strip-plot")
+        box = plot.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        assert view.locator(".cl-mem-strip-readout").inner_text().startswith("rank 0 after ")
+        _save(view, f"notebook05_memory_{name}.png")
+    assert peaks[0] > peaks[1], peaks

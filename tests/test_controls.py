@@ -38,9 +38,11 @@ def test_run_keeps_trace_and_measure_so_the_timeline_and_memory_views_follow(clu
     assert controls.timeline.layout.display is None and controls.memory.layout.display is None
     assert sorted(controls.timeline.ranks) == [0, 1, 2, 3] and controls.timeline.bubble["pp"] == 2
     assert controls.memory.ranks == [0, 1, 2, 3]
+    assert controls.memory.strip["ranks"] == [0, 1, 2, 3]  # memory over the traced step
     controls.fields["pp"].value, controls.fields["dp"].value = 1, 4  # no pipeline: nothing to trace
     controls.run()
     assert controls.timeline.layout.display == "none" and controls.memory.layout.display is None
+    assert controls.memory.strip["rows"] == []  # this run traced no step: no stale strip
 
 
 def test_run_goes_away_with_a_note_once_the_pool_stops():

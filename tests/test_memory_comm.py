@@ -64,6 +64,9 @@ def test_model_state_bytes_per_rank_equal_the_zero_formula(measured, layout, mom
         parts = {c[len("activations."):]: r.measured for c, r in rows.items() if c.startswith("activations.")}
         if moment == "peak_fwd_bwd":  # the same bytes split by the part that saved them (kernels/activation_parts)
             assert sum(parts.values()) == rows["activations"].measured and {"attention", "mlp", "norms"} <= set(parts)
+            predicted = {c[len("activations."):]: r.predicted for c, r in rows.items() if c.startswith("activations.")}
+            assert predicted == parts, (layout, rank)  # the lab GPT's rule (kernels/activation_rules.py), exact
+            assert rows["activations"].predicted == rows["activations"].measured
         else:
             assert not parts
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from kernels.records import TraceEvent
 from lab.timeline import bubble, simulate
 from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser, write_code_notebook
 from tests.test_widgets import collective_records, layout_records, rank_status
-from tests.test_widgets_timeline import mem_records, trace_events
+from lab.measure import memory_records
+from tests.test_widgets_timeline import memory_rank_record, trace_events
 from widgets import ShardingView
 
 # Glyphs some system fonts lack (Debian's chromium drew U+23F8 as an empty box): the views use SVG icons.
@@ -55,13 +57,20 @@ def zbv_events() -> tuple[list[dict], dict]:
     return events, {r: [list(a) for a in acts] for r, acts in orders.items()}
 
 
+def predicted_mem_records() -> list[dict]:
+    """ZeRO-3 on 4 ranks with the model sizes and micro-batch the rule needs: every activation part has a prediction."""
+    model = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}
+    return [r.to_dict() for k in range(4)
+            for r in memory_records({**memory_rank_record(k, 4), "model": model, "micro_batch": 2})]
+
+
 def write_notebook(tmp_path: Path) -> Path:
     bad = collective_records(4)
     next(r for r in bad if r["op"] == "all_reduce" and r["rank"] == 2)["output"] = [-1.0, 100.0]
     records = {"ranks": rank_status(4), "ranks_later": rank_status(4, failed=3), "collectives": collective_records(4),
                "bad_collectives": bad, "layout": layout_records("zero3"), "layout_before": layout_records("zero1"),
                "layout_hsdp": layout_records("hsdp"), "layout_tp_fsdp": layout_records("tp_fsdp"),
-               "memory": mem_records()}
+               "memory": predicted_mem_records()}
     records["zbv"], records["zbv_planned"] = zbv_events()
     records["f1b"] = trace_events(pp=4, m=8)
     records["f1b_bubble"] = bubble(records["f1b"], "1f1b", 4, 8, synthetic=True).to_dict()
@@ -190,14 +199,19 @@ def check_timelines_and_memory(page) -> None:
     zbv.locator(".cl-box").nth(15).wait_for(state="attached", timeout=10_000)
     assert zbv.locator(".cl-box").count() == 16
     assert zbv.locator(".cl-box[data-chunk='1']").count() == 8
-    assert zbv.locator(".cl-lane[data-rank='0'] .cl-box[data-stage='3']").first.inner_text() == "mb 0 · chunk 1"
-    assert zbv.locator(".cl-lane[data-rank='1'] .cl-box[data-stage='1']").first.inner_text() == "mb 0 · chunk 0"
+    # the long label where it fits, else the short one; never cut (a box keeps its whole label or none)
+    assert zbv.locator(".cl-lane[data-rank='0'] .cl-box[data-stage='3']").first.inner_text() in ("mb 0 · chunk 1",
+                                                                                                "0·c1")
+    assert zbv.locator(".cl-lane[data-rank='1'] .cl-box[data-stage='1']").first.inner_text() in ("mb 0 · chunk 0",
+                                                                                                "0·c0")
+    assert zbv.locator(".cl-box").evaluate_all(
+        "els => els.filter((e) => e.textContent && e.scrollWidth > e.clientWidth + 1).length") == 0
     shade = [zbv.locator(f".cl-box[data-kind='F'][data-chunk='{c}']").first.evaluate(
         "e => getComputedStyle(e).backgroundColor") for c in (0, 1)]
     assert shade[0] != shade[1]
     zbv.locator(".cl-planned-toggle").click()
     zbv.locator(".cl-planned-box").nth(15).wait_for(state="attached", timeout=5_000)
-    assert "chunk" in zbv.locator(".cl-planned-box[data-chunk='1']").first.inner_text()
+    assert re.fullmatch(r"mb 0 · chunk 1|0·c1", zbv.locator(".cl-planned-box[data-chunk='1']").first.inner_text())
     for cls in ("cl-idle", "cl-wait", "cl-transfer"):
         assert zbv.locator(f".cl-track .{cls}").count() >= 1, cls
     assert zbv.locator(".cl-wait.cl-transfer, .cl-idle.cl-wait, .cl-idle.cl-transfer").count() == 0
@@ -232,4 +246,10 @@ def check_timelines_and_memory(page) -> None:
     rows = memory.locator(".cl-mem-rank[data-rank='0'] .cl-mem-parts tr[data-part]")
     assert rows.evaluate_all("els => els.map((e) => e.dataset.part)") == [
         "attention", "mlp", "norms", "projection", "cross-entropy"]  # largest first
-    assert "saved-tensor hooks" in rows.first.get_attribute("title")
+    assert "saved-tensor hooks" in rows.first.locator(".cl-mem-part-bytes").get_attribute("title")
+    predicted = rows.first.locator(".cl-mem-part-predicted")  # beside each measured part, the rule's number
+    assert rows.locator(".cl-mem-part-predicted[data-bytes]").count() == 5
+    assert "KiB" in predicted.inner_text() and "activation_rules" in predicted.get_attribute("title")
+    assert "predicted: the GPT rule" in memory.locator(".cl-mem-rank[data-rank='0'] .cl-mem-parts caption").inner_text()
+    assert memory.locator(".cl-mem-rank[data-rank='0'] .cl-mem-predicted .cl-mem-seg[data-category='activations']"
+                          ).count() == 1

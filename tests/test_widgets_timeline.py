@@ -16,7 +16,7 @@ from lab.timeline import bubble, planned_order, simulate
 from tests.test_widgets import RecordingComm, fake_comm  # noqa: F401  (the shared fake comm fixture)
 from widgets.memory_view import CATEGORIES, MemoryView, _memory_state, plot_memory
 from widgets._timeline import _columns, _idle, _mean_ms, _planned_layout, _rows, _timeline_state
-from widgets.pipeline_timeline import PipelineTimeline, plot_timeline
+from widgets.pipeline_timeline import PipelineTimeline, _box_label, plot_timeline
 
 matplotlib.use("Agg")
 TIMELINE_TRAITS = ["ranks", "events", "idle", "planned", "plan_match", "mean_ms", "span_ms", "bubble"]
@@ -318,6 +318,28 @@ def test_plot_timeline_draws_one_lane_per_rank_and_a_box_per_compute_action():
     assert "bubble fraction (p-1)/(m+p-1)" in ax.get_title() and "bubble time / ideal time" in ax.get_title()
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[:3] == ["F forward", "I backward, input grad", "W backward, weight grad"]
+
+
+def test_box_labels_shorten_to_fit_and_the_figure_says_what_the_browser_says():
+    assert _box_label(3, 1, 2) == "mb 3 · chunk 1" and _box_label(3, None, 1) == "mb 3"
+    assert _box_label(3, 1, 2, width=10, span=1000) == "3·c1"  # too narrow for the long form
+    assert _box_label(3, 1, 2, width=4, span=1000) == "c1"  # the chunk, which the shade alone does not say
+    assert _box_label(3, 1, 2, width=1, span=1000) is None  # too narrow for any: the tooltip only
+    assert _box_label(12, None, 1, width=4, span=1000) == "12"
+    events = trace_events(pp=4, m=8, split=True)
+    texts = [t.get_text() for t in plot_timeline(events).axes[0].texts if t.get_gid() == "label"]
+    assert texts and all(re.fullmatch(r"mb \d+|\d+", t) for t in texts)
+
+
+def test_plot_memory_states_each_activation_part_measured_and_predicted():
+    model = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}
+    records = [r.to_dict() for k in range(2)
+               for r in memory_records({**memory_rank_record(k, 2), "model": model, "micro_batch": 2})]
+    ax = plot_memory(records, "peak_fwd_bwd").axes[0]
+    parts = next(t.get_text() for t in ax.texts if t.get_gid() == "parts:0")
+    assert parts.startswith("activations by part: measured | predicted")
+    assert "attention: 8.79 KiB | 41.00 KiB" in parts  # measured 9000 B beside the rule's 2·(20·b·s·h + 4·b·a·s)
+    assert sum((p.get_gid() or "") == "predicted:activations" for p in ax.patches) == 2
 
 
 def test_plot_memory_draws_a_measured_and_a_predicted_bar_per_rank():

@@ -4,7 +4,8 @@ Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (ch
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
 allocator's view of the same tensors) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
-split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar)
+split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar, each part
+measured beside the lab GPT's rule of ``kernels.activation_rules`` where it holds, with the source of each number)
 (any other category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
 
@@ -21,6 +22,7 @@ import traitlets
 
 from kernels.records import MemoryRecord
 from widgets._esm import view_module
+from widgets._memory_strip import draw_strip, fmt_bytes, strip_state
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations",
@@ -45,7 +47,9 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     cuda = None
     for r in rows:
         if r["category"].startswith(PART_PREFIX):  # the activations again, by part: a table, not a bar
-            parts[r["category"][len(PART_PREFIX):]] = {"measured": r.get("measured"), "source": r.get("note", "")}
+            parts[r["category"][len(PART_PREFIX):]] = {"measured": r.get("measured"), "source": r.get("note", ""),
+                                                       "predicted": r.get("predicted"),
+                                                       "predicted_source": r.get("predicted_source", "")}
             continue
         if r["category"] == "cuda_max_allocated":
             cuda = r.get("measured")
@@ -83,7 +87,7 @@ def _memory_state(records: Any) -> dict[str, Any]:
 class MemoryView(anywidget.AnyWidget):
     """Stacked bars per rank for one moment (``.cl-mem-moment`` buttons switch), measured beside predicted."""
 
-    _esm = view_module("memory_view.js")
+    _esm = view_module("memory_strip.js", "memory_view.js")
 
     ranks = traitlets.List().tag(sync=True)
     moments = traitlets.List().tag(sync=True)  # present in the records, at_rest first
@@ -92,16 +96,17 @@ class MemoryView(anywidget.AnyWidget):
     scale = traitlets.Float(1.0).tag(sync=True)  # bytes at full bar height, the same for every moment
     moment = traitlets.Unicode("at_rest").tag(sync=True)
     present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
+    strip = traitlets.Dict().tag(sync=True)  # widgets._memory_strip.strip_state: memory over the traced step
 
-    def __init__(self, records: Any = None, moment: str = "at_rest", **kwargs: Any) -> None:
+    def __init__(self, records: Any = None, moment: str = "at_rest", timeline: Any = None, **kwargs: Any) -> None:
         state = _memory_state(records or [])
         if state["moments"] and moment not in state["moments"]:
             raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
-        super().__init__(**state, moment=moment, **kwargs)
+        super().__init__(**state, moment=moment, strip=strip_state(timeline), **kwargs)
 
-    def update(self, records: Any) -> None:
+    def update(self, records: Any, timeline: Any = None) -> None:
         """Show another run's records (one message); the moment stays if the new records have it."""
-        state = _memory_state(records)
+        state = {**_memory_state(records), "strip": strip_state(timeline)}
         with self.hold_sync():
             for key, value in state.items():
                 setattr(self, key, value)
@@ -117,21 +122,36 @@ def _unit(scale: float) -> tuple[str, float]:
     return [u for u in BINARY_UNITS if scale / u[1] >= 1][-1] if scale >= 1 else BINARY_UNITS[0]
 
 
-def plot_memory(records: Any, moment: str = "at_rest"):
+def plot_memory(records: Any, moment: str = "at_rest", timeline: Any = None):
     """Static fallback with the browser's labels: per rank a measured stacked bar (gid ``measured:<category>``)
     beside the predicted one (hatched, gid ``predicted:<category>``, only categories with a prediction), the ZeRO
-    formula dashed; the y axis in bytes, in the binary unit the browser's axis uses."""
+    formula dashed; the y axis in bytes, in the binary unit the browser's axis uses. With ``timeline``
+    (``RunResult.memory_timeline``) the over-time strip follows, one row per rank (``widgets._memory_strip``)."""
     from matplotlib.figure import Figure
+
+    state, strip = _memory_state(records or []), strip_state(timeline)
+    if state["moments"] and moment not in state["bars"]:
+        raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
+    bars = state["bars"].get(moment, [])
+    parts = any(b["activation_parts"] for b in bars)  # a table of parts under each rank needs room
+    heights = ([4.3 if parts else 3.2] if bars else []) + [0.9] * len(strip["rows"])
+    fig = Figure(figsize=(max(6.0 if strip["rows"] else 4.0, (2.2 if parts else 1.1) * len(bars) + 3),
+                          sum(heights) + 0.4))
+    grid = fig.add_gridspec(len(heights), 1, height_ratios=heights) if heights else None
+    if bars:
+        _plot_bars(fig.add_subplot(grid[0]), bars, state["scale"], moment)
+    if strip["rows"]:
+        draw_strip(fig, [grid[i] for i in range(len(heights) - len(strip["rows"]), len(heights))], strip, COLORS,
+                   LABELS, _unit(strip["scale"]))
+    fig.tight_layout()
+    return fig
+
+
+def _plot_bars(ax: Any, bars: list[dict[str, Any]], scale: float, moment: str) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    state = _memory_state(records)
-    if moment not in state["bars"]:
-        raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
-    unit, mib = _unit(state["scale"])
-    bars = state["bars"][moment]
-    fig = Figure(figsize=(max(4.0, 1.1 * len(bars) + 3), 3.2))
-    ax = fig.add_subplot()
+    unit, mib = _unit(scale)
     for i, b in enumerate(bars):
         low = high = 0.0
         for cat in CATEGORIES:
@@ -145,13 +165,24 @@ def plot_memory(records: Any, moment: str = "at_rest"):
         if b["formula_total"]:
             ax.hlines(b["formula_total"] / mib, i + 0.01, i + 0.39, colors="black", linestyles="dashed",
                       gid="formula")
+        _annotate_parts(ax, i, b)
     ax.set_xticks(range(len(bars)), [f"rank {b['rank']}" for b in bars], fontsize=7)
-    ax.set_xlabel("per rank: measured (left) | predicted (right)", fontsize=7)
+    ax.set_xlabel("per rank: measured (left) | predicted (right)", fontsize=7, labelpad=2)
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(f"memory per rank at {moment}: measured beside predicted", fontsize=9)
     handles, _ = ax.get_legend_handles_labels()
     handles += [Patch(facecolor="white", edgecolor="black", hatch="//", label="predicted (hatched)"),
                 Line2D([], [], color="black", linestyle="dashed", label="ZeRO formula (dashed)")]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
-    fig.tight_layout()
-    return fig
+
+
+def _annotate_parts(ax: Any, i: int, b: dict[str, Any]) -> None:
+    """The browser's ``.cl-mem-parts`` table as text under the rank: activations by part, measured | predicted."""
+    parts = sorted(b["activation_parts"].items(), key=lambda kv: -(kv[1]["measured"] or 0))
+    if not parts:
+        return
+    lines = ["activations by part: measured | predicted"] + [
+        f"{p}: {fmt_bytes(v['measured'])} | {'no rule' if v['predicted'] is None else fmt_bytes(v['predicted'])}"
+        for p, v in parts]
+    ax.text(i, -0.2, "\n".join(lines), transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=6.5,
+            gid=f"parts:{b['rank']}")

@@ -38,7 +38,7 @@ class PipelineTimeline(anywidget.AnyWidget):
     idle gaps (``.cl-idle``), p2p and collectives cut into waiting (``.cl-wait``) and moving data
     (``.cl-transfer``), a play/scrub replay in event order, the bubble beside theory and a planned overlay."""
 
-    _esm = view_module("vguide.js", "pipeline_timeline.js")
+    _esm = view_module("vguide.js", "box_label.js", "pipeline_timeline.js")
     _css = _STATIC / "pipeline_timeline.css"
 
     ranks = traitlets.List().tag(sync=True)  # lane order
@@ -98,9 +98,15 @@ _STYLE = {"wait": {"facecolor": "white", "edgecolor": "#c0392b", "hatch": "////"
           "vguide": {"facecolor": "none", "edgecolor": "black", "linestyle": "--", "linewidth": 0.8}}
 
 
-def _box_label(mb: Any, chunk: int | None, chunks: int) -> str:
-    """What a compute box says, as in the browser: the micro-batch, and the chunk where a rank holds several."""
-    return f"mb {mb} · chunk {chunk}" if chunks > 1 and chunk is not None else f"mb {mb}"
+def _box_label(mb: Any, chunk: int | None, chunks: int, width: float = float("inf"), span: float = 1.0) -> str | None:
+    """What a compute box says, as in the browser: the micro-batch, and the chunk where a rank holds several;
+    shortened to "3·c1", then "c1" (or "3") where the long form would not fit the box's ``width`` (of ``span``),
+    None where none fits. At the figure's 5 pt labels one character takes about 1/600 of the 10-inch axes."""
+    many = chunks > 1 and chunk is not None
+    for text in ([f"mb {mb} · chunk {chunk}", f"{mb}·c{chunk}", f"c{chunk}"] if many else [f"mb {mb}", f"{mb}"]):
+        if width > span * len(text) / 600:
+            return text
+    return None
 
 
 def plot_timeline(events: Any, bubble: Any = None, *, step: int | None = None):
@@ -130,9 +136,10 @@ def plot_timeline(events: Any, bubble: Any = None, *, step: int | None = None):
             present.add(kind)
             ax.add_patch(Rectangle((start, y - 0.4), end - start, 0.62, facecolor=SHADES[kind][(chunk or 0) % 4],
                                    edgecolor="white", linewidth=0.4, gid=f"box:{kind}"))
-            label = _box_label(mb, chunk, chunks)
-            if end - start > state["span_ms"] * len(label) / 600:
-                ax.text((start + end) / 2, y - 0.09, label, ha="center", va="center", fontsize=5, color="white")
+            label = _box_label(mb, chunk, chunks, end - start, state["span_ms"])
+            if label is not None:
+                ax.text((start + end) / 2, y - 0.09, label, ha="center", va="center", fontsize=5, color="white",
+                        gid="label")
         elif ready is None:
             strip(y, start, end, "optimizer")
         else:

@@ -21,13 +21,13 @@ import traitlets
 from widgets._esm import STATIC, view_module
 from widgets._gallery import _gallery_state, bubble_words
 from widgets._timeline import KINDS, LEGEND_ORDER, SHADES
-from widgets.pipeline_timeline import _LEGEND_TEXT, _box_label
+from widgets.pipeline_timeline import _LEGEND_TEXT
 
 
 class ScheduleGallery(anywidget.AnyWidget):
     """One panel per schedule (``.cl-gallery-panel[data-name]``), one shared axis, one lock-step replay."""
 
-    _esm = view_module("vguide.js", "schedule_gallery.js")
+    _esm = view_module("vguide.js", "box_label.js", "schedule_gallery.js")
     # the boxes, lanes and chunk shades are PipelineTimeline's, so both views read the same
     _css = (STATIC / "pipeline_timeline.css").read_text() + (STATIC / "schedule_gallery.css").read_text()
 
@@ -66,9 +66,10 @@ def plot_gallery(runs: Any):
             y = lanes[rank]
             ax.add_patch(Rectangle((start, y - 0.4), end - start, 0.8, facecolor=SHADES[kind][(chunk or 0) % 4],
                                    edgecolor="white", linewidth=0.4, gid=f"box:{kind}"))
-            label = _box_label(mb, chunk, panel["chunks"])
-            if end - start > span * len(label) / 300:  # about 3 px per character at fontsize 5
-                ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=5, color="white")
+            texts = [f"{mb}·c{chunk}", f"c{chunk}"] if panel["chunks"] > 1 and chunk is not None else [f"{mb}"]
+            label = next((t for t in texts if end - start > span * (len(t) + 1) / 300), None)  # the browser's labels
+            if label is not None:  # about 3 px per character at fontsize 5
+                ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=5, color="white", gid="label")
         guide = panel["vguide"]
         if guide["rank"]:
             ax.plot(guide["mid"], [lanes[r] for r in guide["rank"]], color="black", linestyle="--", linewidth=0.8,

@@ -2,7 +2,8 @@
 // `.cl-mem-seg[data-category]` beside the predicted one (`.cl-mem-predicted`), and a `.cl-mem-formula`
 // tick at the ZeRO reference. `.cl-mem-moment[data-moment]` buttons write `moment`. Every bar shares one scale,
 // read on the `.cl-mem-axis` (bytes, `.cl-mem-tick` labels); under each rank a `.cl-mem-table` gives the
-// measured and predicted bytes per category, and a `.cl-mem-parts` table the activations by part (when measured).
+// measured and predicted bytes per category, and a `.cl-mem-parts` table the activations by part (when measured),
+// each beside its prediction. Under the bars, `.cl-mem-strip` (static/memory_strip.js): memory over the traced step.
 
 const LABELS = { params: "parameters", grads: "gradients", optimizer: "optimizer state",
   activations: "activations", other: "other" };
@@ -35,7 +36,7 @@ const CSS = `
 .cl-mem-table td, .cl-mem-table th { padding: 0 3px; text-align: right; font-weight: normal; }
 .cl-mem-table th { color: #555; }
 .cl-mem-parts { font-size: 10px; border-collapse: collapse; margin-top: 4px; }
-.cl-mem-parts td, .cl-mem-parts th { padding: 0 3px; text-align: right; font-weight: normal; }
+.cl-mem-parts td, .cl-mem-parts th { padding: 0 3px; text-align: right; font-weight: normal; white-space: nowrap; }
 .cl-mem-parts caption { caption-side: bottom; font-size: 9px; color: #555; }
 .cl-present .cl-mem-parts { font-size: 13px; }
 .cl-mem-seg, .cl-mem-swatch { background: #999; }
@@ -103,22 +104,31 @@ function table(b, cats) {
   return t;
 }
 
-// The activations by the part of the model that saved them, each with the source of its number.
+// The activations by the part of the model that saved them, measured beside the rule's prediction; each number's
+// source is stated in the caption and on hover (the measured cell: the hooks; the predicted cell: the rule).
 function partsTable(b) {
   const parts = Object.entries(b.activation_parts || {});
   if (!parts.length) return "";
   const t = h("table", "cl-mem-parts");
   const head = t.appendChild(h("tr"));
-  head.append(h("th", null, "activations by part"), h("th", null, "measured"));
+  head.append(h("th", null, "activations by part"), h("th", null, "measured"), h("th", null, "predicted"));
   const total = parts.reduce((a, [, v]) => a + (v.measured || 0), 0);
   for (const [part, v] of parts.sort((x, y) => (y[1].measured || 0) - (x[1].measured || 0))) {
     const row = t.appendChild(h("tr"));
     row.dataset.part = part;
-    row.title = v.source;
     const share = total ? ` (${((100 * v.measured) / total).toFixed(0)}%)` : "";
-    row.append(h("th", null, part), h("td", "cl-mem-part-bytes", `${bytes(v.measured)}${share}`));
+    const measured = h("td", "cl-mem-part-bytes", `${bytes(v.measured)}${share}`);
+    measured.title = v.source;
+    const known = v.predicted !== null && v.predicted !== undefined;
+    const predicted = h("td", "cl-mem-part-predicted", known ? bytes(v.predicted) : "no rule");
+    predicted.title = v.predicted_source || "";
+    if (known) predicted.dataset.bytes = v.predicted;
+    row.append(h("th", null, part), measured, predicted);
   }
-  t.appendChild(h("caption", null, "source: measured (hover a row)"));
+  const rule = parts.map(([, v]) => v.predicted_source).find((x) => x) || "";
+  t.appendChild(h("caption", "cl-mem-parts-source",
+    `measured: saved-tensor hooks by module · ${rule.startsWith("predicted") ? "predicted: the GPT rule of "
+      + "kernels/activation_rules.py" : rule || "no prediction"} (hover a cell)`));
   return t;
 }
 
@@ -139,7 +149,7 @@ function bar(cls, values, b, scale, cats, what) {
 
 function render({ model, el }) {
   const style = h("style");
-  style.textContent = CSS;
+  style.textContent = CSS + STRIP_CSS;
   const root = h("div", "cl-memory");
   el.append(style, root);
 
@@ -165,7 +175,7 @@ function render({ model, el }) {
       item.append(sw, LABELS[cat] || cat);
       legend.appendChild(item);
     }
-    legend.append("per rank: left bar measured, right bar (faded, dashed) predicted by the exact rule; "
+    if (bars.length) legend.append("per rank: left bar measured, right bar (faded, dashed) predicted by the exact rule; "
       + "black dashes: the ZeRO formula");
     const ranks = h("div", "cl-mem-ranks");
     if (!bars.length) ranks.textContent = "no memory records";
@@ -189,12 +199,14 @@ function render({ model, el }) {
     }
     const plot = h("div", "cl-mem-plot");
     plot.append(axis(t), ranks);
-    frag.append(tabs, legend, plot);
+    frag.append(tabs, legend);
+    if (bars.length || !(model.get("strip").rows || []).length) frag.append(plot);
+    frag.append(memoryStrip(model.get("strip"), bytes));
     root.replaceChildren(frag);
     root.classList.toggle("cl-present", model.get("present"));
   }
 
-  for (const name of ["moment", "bars", "moments", "scale", "present"]) model.on(`change:${name}`, draw);
+  for (const name of ["moment", "bars", "moments", "scale", "present", "strip"]) model.on(`change:${name}`, draw);
   draw();
 }
 

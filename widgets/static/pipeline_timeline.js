@@ -1,5 +1,6 @@
 // PipelineTimeline: one `.cl-lane` per rank (data-rank) holding `.cl-box` compute actions (data-kind F|B|I|W,
-// data-mb, data-stage, data-chunk: which of the rank's stages, shaded per chunk, labelled "mb 3 · chunk 1"),
+// data-mb, data-stage, data-chunk: which of the rank's stages, shaded per chunk, labelled "mb 3 · chunk 1", or "3·c1"
+// or "c1" where the box is too narrow, or only in its tooltip where even that would be cut),
 // `.cl-idle` gaps between them (blank), and `.cl-comm` strips (send, recv, collectives, optimizer) cut into
 // `.cl-wait` (hatched: blocked before the peer arrived) and `.cl-transfer` (solid: data moving); a `.cl-axis` in ms;
 // replay in event order with `.cl-play` and `.cl-scrub`; the bubble in `.cl-bubble`; the planned order as
@@ -154,10 +155,6 @@ function laneRows(ranks, bubble, match) {
   return { lanes, tracks, plans };
 }
 
-function boxLabel(mb, chunk, chunks) {
-  return chunks > 1 && chunk !== null ? `mb ${mb} · chunk ${chunk}` : `mb ${mb}`;
-}
-
 function piece(track, cls, c, i, start, end, span, items, text) {
   const e = h("div", cls, text);
   e.dataset.kind = c.kind[i];
@@ -171,12 +168,13 @@ function piece(track, cls, c, i, start, end, span, items, text) {
 }
 
 // Returns [element, start, end, state] in event (start) order; a comm event is its wait, then its transfer.
-function eventBoxes(c, tracks, span, chunks) {
+function eventBoxes(c, tracks, span, chunks, fit) {
   const items = [];
   for (let i = 0; i < c.rank.length; i++) {
     const k = c.kind[i], track = tracks[c.rank[i]];
     if (LABEL[k]) {
-      piece(track, "cl-box", c, i, c.start[i], c.end[i], span, items, boxLabel(c.mb[i], c.chunk[i], chunks));
+      piece(track, "cl-box", c, i, c.start[i], c.end[i], span, items,
+        fitted(boxTexts(c.mb[i], c.chunk[i], chunks), c.end[i] - c.start[i], fit));
     } else if (c.ready[i] === null) {
       piece(track, "cl-comm", c, i, c.start[i], c.end[i], span, items);
     } else {
@@ -197,9 +195,10 @@ function idleGaps(g, tracks, span, items) {
   }
 }
 
-function plannedBoxes(p, plans, span, chunks) {
+function plannedBoxes(p, plans, span, chunks, fit) {
+  const small = { ...fit, width: textWidths(fit.font.replace(/\d+px/, "8px")) }; // planned boxes: 8px type
   for (let i = 0; i < p.rank.length; i++) {
-    const e = h("div", "cl-planned-box", boxLabel(p.mb[i], p.chunk[i], chunks));
+    const e = h("div", "cl-planned-box", fitted(boxTexts(p.mb[i], p.chunk[i], chunks), p.end[i] - p.start[i], small));
     Object.assign(e.dataset, { kind: p.kind[i], mb: p.mb[i], stage: p.stage[i] });
     if (p.chunk[i] !== null) e.dataset.chunk = p.chunk[i];
     e.style.cssText = `left:${pct(p.start[i], span)};width:${pct(p.end[i] - p.start[i], span)}`;
@@ -297,10 +296,14 @@ function render({ model, el }) {
     const frag = document.createDocumentFragment();
     frag.append(ui.bar, ui.legend, bubbleBox(bubble, Math.max(0, ...c.end)));
     const { lanes, tracks, plans } = laneRows(model.get("ranks"), bubble, model.get("plan_match") || {});
-    items = eventBoxes(c, tracks, span, chunks);
+    root.classList.toggle("cl-present", model.get("present"));
+    const family = getComputedStyle(root).fontFamily || "sans-serif";
+    const font = model.get("present") ? `600 13px ${family}` : `9px ${family}`; // .cl-box's type (css)
+    const fit = { span, px: trackWidth(root), font, width: textWidths(font) };
+    items = eventBoxes(c, tracks, span, chunks, fit);
     idleGaps(idle, tracks, span, items);
     items.sort((a, b) => a[1] - b[1]);
-    pending = () => plannedBoxes(p, plans, span, chunks); // drawn on first show: the render stays one pass
+    pending = () => plannedBoxes(p, plans, span, chunks, fit); // drawn on first show: the render stays one pass
     const guide = model.get("vguide") || { rank: [] };
     if (guide.rank.length) lanes.appendChild(vGuide(guide, model.get("ranks"), span));
     cursor = lanes.appendChild(h("div", "cl-cursor"));
@@ -323,7 +326,7 @@ function render({ model, el }) {
   }
   model.on("change:cursor_ms", () => { if (raf === null && !queued) showAt(model.get("cursor_ms")); });
   model.on("change:show_planned", applyPlanned);
-  model.on("change:present", () => root.classList.toggle("cl-present", model.get("present")));
+  model.on("change:present", rebuild); // the labels are fitted to the present mode's font
   build();
   return () => stop();
 }

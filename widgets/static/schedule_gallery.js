@@ -36,7 +36,7 @@ function panelHead(p) {
   return head;
 }
 
-function panelBody(p, span, items) {
+function panelBody(p, span, items, fit) {
   const panel = h("div", "cl-gallery-panel");
   panel.dataset.name = p.name;
   const lanes = h("div", "cl-lanes");
@@ -50,12 +50,11 @@ function panelBody(p, span, items) {
     lanes.appendChild(lane);
   }
   const b = p.boxes;
-  const wide = 0.004 * span; // below this a label cannot be read: the box keeps its tooltip only
   for (let i = 0; i < b.rank.length; i++) {
     const many = p.chunks > 1 && b.chunk[i] !== null;
     const w = b.end[i] - b.start[i];
-    const text = many ? `${b.mb[i]}·c${b.chunk[i]}` : `${b.mb[i]}`;
-    const e = h("div", "cl-box", w > wide * (1.5 * text.length + 1.5) ? text : undefined);
+    // the short labels of static/box_label.js: panels are narrow
+    const e = h("div", "cl-box", fitted(boxTexts(b.mb[i], b.chunk[i], p.chunks).slice(1), w, fit));
     e.dataset.kind = b.kind[i];
     e.dataset.mb = b.mb[i];
     e.dataset.stage = b.stage[i];
@@ -85,7 +84,8 @@ function galleryLegend(panels) {
     legend.appendChild(item);
   }
   const notes = ["blank: idle or communicating (open one run's timeline to tell waiting from transfer)",
-    "box label: micro-batch, and ·c chunk where a rank holds several model chunks (darker shade = chunk 1)"];
+    "box label: micro-batch, and ·c chunk where a rank holds several model chunks (darker shade = chunk 1); "
+      + "only c1 where the box is narrow"];
   if (panels.some((p) => p.vguide && p.vguide.rank.length)) {
     notes.push("dashed V: the first micro-batch's forwards, down the ranks and back up");
   }
@@ -156,7 +156,11 @@ function render({ model, el }) {
     items = [];
     const frag = document.createDocumentFragment();
     const body = h("div", "cl-gallery-panels");
-    for (const p of panels) body.appendChild(panelBody(p, span, items));
+    root.classList.toggle("cl-present", model.get("present"));
+    const family = getComputedStyle(root).fontFamily || "sans-serif";
+    const font = model.get("present") ? `600 13px ${family}` : `8px ${family}`; // .cl-gallery .cl-box's type (css)
+    const fit = { span, px: trackWidth(root), width: textWidths(font) };
+    for (const p of panels) body.appendChild(panelBody(p, span, items, fit));
     cursor = body.appendChild(h("div", "cl-cursor"));
     frag.append(bar, galleryLegend(panels), body, galleryAxis(span));
     root.replaceChildren(frag);
@@ -169,7 +173,7 @@ function render({ model, el }) {
 
   model.on("change:panels", build);
   model.on("change:span_ms", build);
-  model.on("change:present", () => root.classList.toggle("cl-present", model.get("present")));
+  model.on("change:present", build); // the labels are fitted to the present mode's type
   model.on("change:cursor_ms", () => { if (raf === null) showAt(model.get("cursor_ms")); });
   build();
   return () => stop();
