@@ -65,6 +65,8 @@ class ShardServer:
         self.reads: dict[int, int] = {}  # worker -> version it pulled and has not pushed back yet
         self.held: dict[int, tuple[int, dict[str, torch.Tensor], Future]] = {}  # worker -> (read, grads, reply)
         self.failure: BaseException | None = None
+        self.finished: set[int] = set()  # workers that have pushed their last step
+        self.done = threading.Event()  # every worker finished, or the run failed
         self.staleness: list[int] = []  # of every applied gradient, in order
         self.updates = self.pushes = self.pulls = self.bytes_in = self.bytes_out = 0
         self.events: list[dict[str, Any]] = []  # apply spans on this rank's wall clock
@@ -98,13 +100,27 @@ class ShardServer:
             done.set_result(version)
         return reply
 
+    def finish(self, worker: int) -> None:
+        """``worker`` has no more steps; once every worker has said so, ``done`` is set."""
+        with self.lock:
+            self.finished.add(worker)
+            if self.finished >= set(self.workers):
+                self.done.set()
+
     def fail(self, error: BaseException) -> None:
         """Answer every held push (and any later call) with ``error``: this server stops."""
         with self.lock:
-            self.failure = error
+            self.failure = self.failure or error
             held, self.held = self.held, {}
         for _, _, reply in held.values():
-            reply.set_exception(error)
+            reply.set_exception(self.failure)
+        self.done.set()
+
+    def wait_done(self, poll_s: float = 0.05) -> None:
+        """Block until every worker finished (or raise the failure); short waits, so an interrupt lands."""
+        while not self.done.wait(poll_s):
+            pass
+        self._check_alive()
 
     def record(self) -> dict[str, Any]:
         """This server's load: what it holds, what it received and sent, the staleness it applied."""

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
@@ -76,8 +78,26 @@ def start_rpc(rank: int, world_size: int, master_addr: str, port: int, bind_addr
     os.environ["TP_SOCKET_IFNAME"] = runtime.interface_of(bind_addr)
     url = f"{_SCHEME}://{master_addr}:{port}?timeout={timeout_s}"  # init_rpc appends rank and world_size
     options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout_s, num_worker_threads=8)
+    _agree_on_init_count()
     rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     _running = True
+
+
+def _agree_on_init_count() -> None:
+    # init_rpc keys its rendezvous under "rpc_prefix_<n>", n counting this process's earlier init_rpc
+    # calls (a private module global). An engine the lab replaced after a failure starts again at 0
+    # while the others go on counting, and their rendezvous would never meet: all take the largest.
+    with rpc._init_counter_lock:
+        count = torch.tensor([rpc._init_counter])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        rpc._init_counter = int(count.item())
+
+
+def wait(future: torch.futures.Future, poll_s: float = 0.002) -> Any:
+    """``future.wait()`` in short sleeps: a wait inside torch does not end on SIGINT, an interrupt must."""
+    while not future.done():
+        time.sleep(poll_s)
+    return future.wait()
 
 
 def stop_rpc(*, graceful: bool) -> None:

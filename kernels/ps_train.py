@@ -11,10 +11,11 @@ dp = workers, dp_rank = w), exactly the batch a DDP rank w would see. Each step 
 3. pushes each shard's gradients to its server and waits for the replies, which carry the
    version after the update (so staleness is known on both sides).
 
-Servers answer calls on TensorPipe's threads while their main thread waits in a gloo
-barrier that the workers enter when their steps are done. A rank that raises leaves the
-process group (``kernels.runtime.call_guarded``), so that barrier fails at once on the
-servers, which then fail every held push: no rank waits for the dead one.
+Servers answer calls on TensorPipe's threads while their main thread waits for every
+worker's ``finish_shard``. A worker that raises calls ``abort_shard`` on every server first:
+the server then answers every held push with the reason, so no worker waits for the
+failed one, and its own main thread raises too. Every wait polls in short sleeps, so
+when a rank dies outright the lab's interrupt ends the others' waits.
 
 Records per rank (``kernels.ps_records``): a worker's losses, pulls, pushes, bytes, time
 waiting and computing, staleness and timeline events; a server's load.
@@ -40,6 +41,8 @@ from kernels.model import build_gpt, loss_fn, model_config
 from kernels.parameter_server import ShardServer, split_by_bytes
 from kernels.run_config import RunConfig
 
+PEER_FAILED = "a peer rank failed"  # lab.supervise counts errors naming it as collateral, not as the cause
+ABORT_TIMEOUT_S = 5.0  # a failing worker tells the servers; one that is gone already does not answer
 _local_server: ShardServer | None = None  # this rank's shard while it serves; the RPC functions below reach it
 
 
@@ -60,6 +63,17 @@ def push_shard(worker: int, read: int, grads: dict[str, torch.Tensor]) -> torch.
     return _shard().push(worker, read, grads)
 
 
+def finish_shard(worker: int) -> None:
+    """RPC, run on a server: ``worker`` has pushed its last step."""
+    _shard().finish(worker)
+
+
+def abort_shard(worker: int, why: str) -> None:
+    """RPC, run on a server: ``worker`` failed; the server stops and answers its held pushes with the reason."""
+    _shard().fail(RuntimeError(f"parameter server rank {dist.get_rank()} stopped: {PEER_FAILED} "
+                               f"(rank {worker}: {why})"))
+
+
 def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Serve or work per ``cfg`` (``lab.parameter_server.ParameterServer.rank_config``); returns this rank's record."""
     global _local_server
@@ -78,26 +92,42 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                                         cfg["max_staleness"])
         dist.barrier()  # every shard exists before any worker asks for one
         out = _serve(_local_server) if rank < servers else _work(run, model, shards, cfg, rank, servers)
-        ps_rpc.stop_rpc(graceful=True)  # waits for every rank's outstanding calls and RRef messages
+        ps_rpc.stop_rpc(graceful=True)  # waits for every rank's outstanding calls
         return {**out, "shards": shards}
     except BaseException as error:
         if _local_server is not None:
             _local_server.fail(RuntimeError(f"parameter server rank {rank} stopped: {error}"))
+        else:
+            _tell_servers(servers, rank, error)
         ps_rpc.stop_rpc(graceful=False)
         raise
     finally:
         _local_server = None
 
 
+def _tell_servers(servers: int, rank: int, error: BaseException) -> None:
+    """Best effort: every server stops and releases the workers it holds, so nobody waits for this rank."""
+    if PEER_FAILED in str(error):  # a server told us: it knows already
+        return
+    why = f"{type(error).__name__}: {error}"[:500]
+    calls = [rpc.rpc_async(ps_rpc.rpc_name(s), abort_shard, args=(rank, why), timeout=ABORT_TIMEOUT_S)
+             for s in range(servers)]
+    for call in calls:
+        try:
+            ps_rpc.wait(call)
+        except Exception:  # that server has stopped already
+            pass
+
+
 def _serve(server: ShardServer) -> dict[str, Any]:
     """The main thread waits until every worker is done; TensorPipe's threads do the serving meanwhile."""
-    dist.barrier()
+    server.wait_done()
     return {"role": "server", "rank": server.rank, **server.record()}
 
 
 def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: dict[str, Any], rank: int,
           servers: int) -> dict[str, Any]:
-    """Pull, compute, push for every step; then the barrier that releases the servers."""
+    """Pull, compute, push for every step; then tell the servers this worker is done."""
     workers = dist.get_world_size() - servers
     device = runtime.rank_device()
     mine = fault_kinds.faults_for(cfg["faults"], rank)
@@ -116,7 +146,7 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
         versions = []
         with torch.no_grad():
             for future in reads:
-                version, values = future.wait()
+                version, values = ps_rpc.wait(future)
                 versions.append(version)
                 for name, value in values.items():
                     params[name].copy_(value)
@@ -130,7 +160,7 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
             grads = {n: params[n].grad for n in shards[s]}
             stats["bytes_sent"] += sum(g.numel() * g.element_size() for g in grads.values())
             replies.append(rpc.rpc_async(name, push_shard, args=(rank, versions[s], grads)))
-        after = [future.wait() for future in replies]
+        after = [ps_rpc.wait(future) for future in replies]
         stats["pushes"] += servers
         model.zero_grad(set_to_none=True)
         pushed = time.time()
@@ -140,7 +170,8 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
         events += [{"rank": rank, "kind": kind, "step": step, "start": a, "end": b}
                    for kind, a, b in (("pull", began, pulled), ("compute", pulled, computed), ("push", computed, pushed))]
         losses.append(loss)
-    dist.barrier()
+    for call in [rpc.rpc_async(name, finish_shard, args=(rank,)) for name in names]:
+        ps_rpc.wait(call)
     return {"role": "worker", "rank": rank, "losses": losses, "staleness": staleness, "events": events,
             "notes": notes, **stats}
 
