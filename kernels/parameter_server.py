@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from kernels.ps_records import PSSpan
+
 MODES = ("sync", "async", "bounded")
 
 
@@ -168,6 +170,5 @@ class ShardServer:
             replies.append(reply)
         self.version += 1
         self.updates += 1
-        self.events.append({"rank": self.rank, "kind": "apply", "step": self.updates - 1, "start": began,
-                            "end": time.time()})
+        self.events.append(PSSpan(self.rank, "apply", self.updates - 1, began, time.time()).to_dict())
         return [(reply, self.version) for reply in replies]

@@ -39,6 +39,7 @@ from kernels.batches import BatchStream
 from kernels.data import dataset
 from kernels.model import build_gpt, loss_fn, model_config
 from kernels.parameter_server import ShardServer, split_by_bytes
+from kernels.ps_records import PSSpan
 from kernels.run_config import RunConfig
 
 PEER_FAILED = "a peer rank failed"  # lab.supervise counts errors naming it as collateral, not as the cause
@@ -167,7 +168,7 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
         staleness += [v - 1 - read for v, read in zip(after, versions)]  # the reply is the version after the update
         stats["wait_s"] += (pulled - began) + (pushed - computed)
         stats["compute_s"] += computed - pulled
-        events += [{"rank": rank, "kind": kind, "step": step, "start": a, "end": b}
+        events += [PSSpan(rank, kind, step, a, b).to_dict()
                    for kind, a, b in (("pull", began, pulled), ("compute", pulled, computed), ("push", computed, pushed))]
         losses.append(loss)
     for call in [rpc.rpc_async(name, finish_shard, args=(rank,)) for name in names]:
