@@ -9,9 +9,9 @@ store reaches it through a rendezvous scheme of our own (``labrpc://``) register
 ``torch.distributed.rendezvous``. TensorPipe listens on the interface named by
 ``TP_SOCKET_IFNAME``, set to the one holding the listen address, like gloo's.
 
-:func:`stop_rpc` ends the agent: gracefully (every rank waits for the others' outstanding
-calls) after a run, or at once after a failure, so that the next run (or an ordinary
-``Experiment``) finds the engine without an agent and can start a new one.
+:func:`stop_rpc` ends the agent, so that the next run (or an ordinary ``Experiment``) finds the
+engine without one and can start a new one. The parameter server stops it locally after a
+barrier of its own (why not RPC's graceful stop: :func:`stop_rpc`).
 
 Run alone (two processes start RPC twice, call each other, stop)::
 
@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from kernels import runtime
@@ -78,19 +79,23 @@ def start_rpc(rank: int, world_size: int, master_addr: str, port: int, bind_addr
     os.environ["TP_SOCKET_IFNAME"] = runtime.interface_of(bind_addr)
     url = f"{_SCHEME}://{master_addr}:{port}?timeout={timeout_s}"  # init_rpc appends rank and world_size
     options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout_s, num_worker_threads=8)
-    _agree_on_init_count()
+    _agree_on_rpc_counts(world_size)
     rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     _running = True
 
 
-def _agree_on_init_count() -> None:
-    # init_rpc keys its rendezvous under "rpc_prefix_<n>", n counting this process's earlier init_rpc
-    # calls (a private module global). An engine the lab replaced after a failure starts again at 0
-    # while the others go on counting, and their rendezvous would never meet: all take the largest.
-    with rpc._init_counter_lock:
-        count = torch.tensor([rpc._init_counter])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        rpc._init_counter = int(count.item())
+def _agree_on_rpc_counts(world_size: int) -> None:
+    # Two private per-process counters must agree across the ranks, or RPC waits for ever:
+    # init_rpc keys its rendezvous under "rpc_prefix_<n>" (n: this process's earlier init_rpc calls),
+    # and rpc's own all-gather (in init_rpc) numbers its rounds per set of
+    # worker names. An engine the lab replaced after a failure starts both at 0 while the others go
+    # on counting, so before each start every rank takes the largest of each.
+    names = "".join(sorted(rpc_name(r) for r in range(world_size)))  # rpc.api._all_gather's key
+    with rpc._init_counter_lock, rpc_api._all_gather_dict_lock:
+        counts = torch.tensor([rpc._init_counter, rpc_api._all_gather_sequence_id.get(names, 0)])
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        rpc._init_counter = int(counts[0])
+        rpc_api._all_gather_sequence_id[names] = int(counts[1])
 
 
 def wait(future: torch.futures.Future, poll_s: float = 0.002) -> Any:
@@ -101,7 +106,13 @@ def wait(future: torch.futures.Future, poll_s: float = 0.002) -> Any:
 
 
 def stop_rpc(*, graceful: bool) -> None:
-    """Stop this rank's agent (no-op without one); ``graceful`` waits for every rank's outstanding calls."""
+    """Stop this rank's agent (no-op without one); ``graceful`` waits for every rank's outstanding calls.
+
+    The parameter server stops with ``graceful=False`` after a gloo barrier instead: a graceful stop
+    meets the other ranks under keys numbered by a counter inside torch's C++ agent, per process,
+    which an engine the lab replaced restarts at 0 (and cannot be read from Python), so it would wait
+    for the timeout after a worker was killed once.
+    """
     global _running, _store
     _store = None
     if not _running:

@@ -93,7 +93,8 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                                         cfg["max_staleness"])
         dist.barrier()  # every shard exists before any worker asks for one
         out = _serve(_local_server) if rank < servers else _work(run, model, shards, cfg, rank, servers)
-        ps_rpc.stop_rpc(graceful=True)  # waits for every rank's outstanding calls
+        dist.barrier()  # every call has been answered on every rank: nothing is in flight
+        ps_rpc.stop_rpc(graceful=False)  # see ps_rpc.stop_rpc: RPC's own graceful stop cannot follow a replaced engine
         return {**out, "shards": shards}
     except BaseException as error:
         if _local_server is not None:

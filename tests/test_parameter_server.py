@@ -90,3 +90,13 @@ def test_bad_arguments_are_named_before_launch(cluster):
         lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, global_batch=10)
     with pytest.raises(lab.ParallelConfigError, match="a server; faults act on workers"):
         lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, global_batch=12, faults=[lab.Slow(0, 2.0)])
+
+
+@pytest.mark.slow  # the lab replaces the killed engine (~10-20 s)
+def test_a_killed_worker_is_named_and_a_replaced_engine_serves_the_next_run(cluster):
+    ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, faults=[lab.Kill(2, at_step=1)], **RUN)
+    with pytest.raises(lab.DeadRankError, match="rank 2"):
+        ps.run(timeout=120)
+    # the replaced engine counts its RPC starts from 0 again; the next run must still meet
+    ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, **RUN)
+    assert ps.run(timeout=120).matches(ps.reference(), rtol=1e-4)
