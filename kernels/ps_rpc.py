@@ -79,7 +79,8 @@ def start_rpc(rank: int, world_size: int, master_addr: str, port: int, bind_addr
     os.environ["TP_SOCKET_IFNAME"] = runtime.interface_of(bind_addr)
     url = f"{_SCHEME}://{master_addr}:{port}?timeout={timeout_s}"  # init_rpc appends rank and world_size
     options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout_s, num_worker_threads=8)
-    _agree_on_rpc_counts(world_size)
+    if dist.is_initialized():  # on the pool; a script without a process group starts its processes afresh
+        _agree_on_rpc_counts(world_size)
     rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     _running = True
 
