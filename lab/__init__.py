@@ -42,6 +42,7 @@ _HOME = {
     "Slow": "lab.faults", "Hang": "lab.faults", "Crash": "lab.faults", "Kill": "lab.faults",
     "HangError": "lab.errors", "HangReport": "lab.hang_report",
     "Training": "lab.training",
+    "ParameterServer": "lab.parameter_server", "PSResult": "lab.ps_result",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
 _ALIASES = {"GPT": "GPTConfig"}

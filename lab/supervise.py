@@ -22,7 +22,11 @@ from kernels.records import RankFailure, RankMap
 
 # Messages of errors a rank gets only because a peer left the collective it was in.
 _PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "NCCL communicator was aborted", "Socket Timeout", "Connection refused")
+              "NCCL communicator was aborted", "Socket Timeout", "Connection refused",
+              # kernels.ps_train.PEER_FAILED (a parameter server stopped for a failed worker), and TensorPipe's
+              # (torch.distributed.rpc) words for a peer that closed its connection
+              "a peer rank failed", "eof (this error originated at tensorpipe",
+              "pipe closed (this error originated at tensorpipe")
 
 POLL_S = 0.25
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -15,6 +15,8 @@ Each view is an anywidget (live, in a notebook) with a matplotlib twin for stati
 - ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord, measured beside predicted;
 - ``ScheduleGallery(runs)`` / ``plot_gallery(runs)``: several runs' TraceEvents and BubbleReports, one
   panel per schedule on one shared time axis, replayed in lock-step;
+- ``PSTimeline(spans)`` / ``plot_ps_timeline(spans)``: PSSpan (``kernels.ps_records``), a parameter
+  server's pull/compute/push/apply per rank; ``plot_staleness`` and ``plot_losses`` beside it;
 - ``TrainingDashboard(records, world_size=n)`` / ``plot_dashboard(records)``: StepProgress
   (``kernels.progress_records``), live from a run handle or replayed from a saved run.
 """
@@ -22,10 +24,11 @@ from widgets.cluster_view import ClusterView, plot_cluster
 from widgets.collective_view import CollectiveView, plot_collective
 from widgets.memory_view import MemoryView, plot_memory
 from widgets.pipeline_timeline import PipelineTimeline, plot_timeline
+from widgets.ps_timeline import PSTimeline, plot_losses, plot_ps_timeline, plot_staleness
 from widgets.schedule_gallery import ScheduleGallery, plot_gallery
 from widgets.sharding_view import ShardingView, plot_sharding
 from widgets.training_dashboard import TrainingDashboard, plot_dashboard
 
 __all__ = ["ClusterView", "CollectiveView", "MemoryView", "PipelineTimeline", "ScheduleGallery", "ShardingView",
            "plot_cluster", "plot_collective", "plot_gallery", "plot_memory", "plot_sharding", "plot_timeline",
-           "TrainingDashboard", "plot_dashboard"]
+           "TrainingDashboard", "plot_dashboard", "PSTimeline", "plot_ps_timeline", "plot_staleness", "plot_losses"]
