@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.futures import Future
@@ -68,6 +68,7 @@ class ShardServer:
         self.held: dict[int, tuple[int, dict[str, torch.Tensor], Future]] = {}  # worker -> (read, grads, reply)
         self.failure: BaseException | None = None
         self.finished: set[int] = set()  # workers that have pushed their last step
+        self.stop_after: int | None = None  # once a stop is asked: the last step a worker may start
         self.done = threading.Event()  # every worker finished, or the run failed
         self.staleness: list[int] = []  # of every applied gradient, in order
         self.updates = self.pushes = self.pulls = self.bytes_in = self.bytes_out = 0
@@ -78,14 +79,26 @@ class ShardServer:
         """Bytes of this shard's parameters."""
         return sum(p.numel() * p.element_size() for p in self.params.values())
 
-    def pull(self, worker: int) -> tuple[int, dict[str, torch.Tensor]]:
-        """The current version and a copy of the shard's parameters; remembers that ``worker`` read it."""
+    def pull(self, worker: int, step: int) -> tuple[int, dict[str, torch.Tensor], bool]:
+        """The current version, a copy of the shard's parameters, and whether ``worker`` must stop before ``step``."""
         with self.lock:
             self._check_alive()
             self.reads[worker] = self.version
             self.pulls += 1
             self.bytes_out += self.nbytes
-            return self.version, {n: p.detach().clone() for n, p in self.params.items()}
+            stop = self.stop_after is not None and step > self.stop_after
+            return self.version, {n: p.detach().clone() for n, p in self.params.items()}, stop
+
+    def ask_stop(self) -> None:
+        """Let no worker start a new step: in sync mode after the step under way (all workers run it), else at once.
+
+        In sync mode the version is the index of the step every worker is in (none can
+        pull for the next before all pushed this one), so every worker stops after the
+        same step and no push is left waiting for a worker that stopped.
+        """
+        with self.lock:
+            if self.stop_after is None:
+                self.stop_after = self.version if self.mode == "sync" else -1
 
     def push(self, worker: int, read: int, grads: dict[str, torch.Tensor]) -> Future:
         """Take ``worker``'s gradients (computed on version ``read``); the future completes with the version after."""
@@ -103,11 +116,19 @@ class ShardServer:
         return reply
 
     def finish(self, worker: int) -> None:
-        """``worker`` has no more steps; once every worker has said so, ``done`` is set."""
+        """``worker`` has no more steps; once every worker has said so, ``done`` is set.
+
+        Its read is dropped (a worker that stopped pulled without pushing back), which may
+        release pushes that a bounded server held for it.
+        """
         with self.lock:
             self.finished.add(worker)
+            self.reads.pop(worker, None)
+            answered = self._apply_ready() if self.failure is None else []
             if self.finished >= set(self.workers):
                 self.done.set()
+        for done, version in answered:
+            done.set_result(version)
 
     def fail(self, error: BaseException) -> None:
         """Answer every held push (and any later call) with ``error``: this server stops."""
@@ -118,10 +139,14 @@ class ShardServer:
             reply.set_exception(self.failure)
         self.done.set()
 
-    def wait_done(self, poll_s: float = 0.05) -> None:
-        """Block until every worker finished (or raise the failure); short waits, so an interrupt lands."""
+    def wait_done(self, stop_asked: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> None:
+        """Block until every worker finished (or raise the failure); short waits, so an interrupt lands.
+
+        ``stop_asked`` is polled between waits: once it says so, ``ask_stop``.
+        """
         while not self.done.wait(poll_s):
-            pass
+            if stop_asked():
+                self.ask_stop()
         self._check_alive()
 
     def record(self) -> dict[str, Any]:

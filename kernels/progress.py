@@ -51,6 +51,11 @@ def arm_stop() -> None:
         signal.signal(STOP_SIGNAL, _ask_stop)
 
 
+def stop_asked() -> bool:
+    """Whether ``STOP_SIGNAL`` arrived since the last ``arm_stop``."""
+    return _stop_asked
+
+
 def engine_publisher() -> Callable[[dict[str, Any]], None] | None:
     """ipyparallel's ``publish_data`` when this process is an engine running a call, else None."""
     try:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from kernels import faults as fault_kinds
-from kernels import ps_rpc, runtime
+from kernels import progress, ps_rpc, runtime
 from kernels.batches import BatchStream
 from kernels.data import dataset
 from kernels.model import build_gpt, loss_fn, model_config
@@ -53,9 +53,9 @@ def _shard() -> ShardServer:
     return _local_server
 
 
-def pull_shard(worker: int) -> tuple[int, dict[str, torch.Tensor]]:
-    """RPC, run on a server: this shard's version and parameters."""
-    return _shard().pull(worker)
+def pull_shard(worker: int, step: int) -> tuple[int, dict[str, torch.Tensor], bool]:
+    """RPC, run on a server: this shard's version and parameters, and whether ``worker`` must stop before ``step``."""
+    return _shard().pull(worker, step)
 
 
 @rpc.functions.async_execution
@@ -122,8 +122,12 @@ def _tell_servers(servers: int, rank: int, error: BaseException) -> None:
 
 
 def _serve(server: ShardServer) -> dict[str, Any]:
-    """The main thread waits until every worker is done; TensorPipe's threads do the serving meanwhile."""
-    server.wait_done()
+    """The main thread waits until every worker is done; TensorPipe's threads do the serving meanwhile.
+
+    Server 0 alone takes a stop request (``kernels.progress.STOP_SIGNAL``, sent by
+    ``lab.ps_handle.PSHandle.stop``): the workers read it in its pull replies.
+    """
+    server.wait_done(progress.stop_asked if server.rank == 0 else lambda: False)
     return {"role": "server", "rank": server.rank, **server.record()}
 
 
@@ -144,16 +148,19 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
         for fault in mine:
             fault_kinds.strike(fault, step, notes.append)
         began = time.time()
-        reads = [rpc.rpc_async(name, pull_shard, args=(rank,)) for name in names]
-        versions = []
+        reads = [rpc.rpc_async(name, pull_shard, args=(rank, step)) for name in names]
+        versions, stop = [], False
         with torch.no_grad():
-            for future in reads:
-                version, values = ps_rpc.wait(future)
+            for s, future in enumerate(reads):
+                version, values, told_to_stop = ps_rpc.wait(future)
                 versions.append(version)
+                stop = stop or (s == 0 and told_to_stop)  # server 0 decides for every worker
                 for name, value in values.items():
                     params[name].copy_(value)
                     stats["bytes_received"] += value.numel() * value.element_size()
         stats["pulls"] += servers
+        if stop:
+            break
         pulled = time.time()
         loss = _gradients(model, inputs, targets, pacing)
         computed = time.time()

@@ -13,7 +13,8 @@ The run trains the same model, on the same data and with the same optimizer math
 its losses equal the one-process ``reference()`` and DDP's. ``async`` and ``bounded``
 (``max_staleness=s``) trade that equality for not waiting (``kernels.parameter_server``).
 ``faults=[lab.Slow(rank, factor)]`` makes a worker a straggler; Crash/Hang/Kill act as in
-an Experiment, on workers.
+an Experiment, on workers. ``start()`` runs it in the background (``lab.ps_handle``):
+``stop()`` ends it after the step under way, and the result holds the steps that ran.
 """
 from __future__ import annotations
 
@@ -116,10 +117,17 @@ class ParameterServer:
         per_rank = self.cluster.run(ps_rank, self.rank_config(port), timeout=timeout)
         return self._result(per_rank, time.time() - began)
 
+    def start(self, *, timeout: float | None = None) -> "PSHandle":
+        """Start the run and return at once: the handle's ``wait()`` gives the ``PSResult``, ``stop()`` ends it early."""
+        from lab.ps_handle import PSHandle
+
+        return PSHandle(self, timeout=timeout)
+
     def _result(self, per_rank: list[dict[str, Any]], wall_s: float) -> PSResult:
         servers = [r for r in per_rank if r["role"] == "server"]
         workers = [r for r in per_rank if r["role"] == "worker"]
-        losses = [sum(w["losses"][step] for w in workers) / len(workers) for step in range(self.steps)]
+        ran = min(len(w["losses"]) for w in workers)  # fewer than ``steps`` after a stop
+        losses = [sum(w["losses"][step] for w in workers) / len(workers) for step in range(ran)]
         step_times = [[e["end"] - e["start"] for e in _spans(r)] for r in per_rank]
         layout = [{"rank": r["rank"], "strategy": f"ps-{self.mode}", "role": r["role"]} for r in per_rank]
         notes = [n for w in workers for n in w["notes"]]

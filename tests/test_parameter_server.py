@@ -1,6 +1,8 @@
 """The parameter server (lab.ParameterServer) on the 4-rank pool: 1 server + 3 workers, and 2 + 2."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import lab
@@ -100,3 +102,22 @@ def test_a_killed_worker_is_named_and_a_replaced_engine_serves_the_next_run(clus
     # the replaced engine counts its RPC starts from 0 again; the next run must still meet
     ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, **RUN)
     assert ps.run(timeout=120).matches(ps.reference(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["sync", "bounded"])
+def test_stop_ends_a_started_run_after_a_step_and_the_pool_runs_on(cluster, mode):
+    steps = 400  # far more than run in the seconds before the stop
+    ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode=mode, global_batch=12, steps=steps,
+                             max_staleness=1 if mode == "bounded" else None)
+    handle = ps.start(timeout=120)
+    time.sleep(3.0)
+    assert not handle.done
+    result = handle.stop()
+    ran = len(result.losses)
+    assert handle.done and 1 <= ran < steps
+    if mode == "sync":  # every worker ran the same steps: still the reference's first ones
+        assert all(len(w["losses"]) == ran for w in result.ps["workers"])
+        reference = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, global_batch=12, steps=ran).reference()
+        assert result.matches(reference, rtol=1e-4)
+    after = lab.Experiment(cluster, lab.GPT(**TINY), lab.Parallel(dp=4), **RUN).run(progress=False)
+    assert len(after.losses) == RUN["steps"]
