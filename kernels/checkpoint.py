@@ -125,8 +125,9 @@ class AsyncSaver:
     training's collectives on the default group.
     """
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")  # collective: every rank builds it together
+    def __init__(self, ranks: list[int] | None = None) -> None:
+        # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
+        self.group = dist.new_group(ranks, backend="gloo")
         self.pending: Future | None = None
         self.failed: OSError | None = None
 
