@@ -151,36 +151,45 @@ class AsyncSaver:
         # Every save of one run has the same keys and shards: after the first, DCP reuses its plans.
         self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
         self.pending: Future | None = None
-        self.failed: OSError | None = None
 
     def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
         """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
-        self.wait()
+        self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
         final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
                                 process_group=self.group, planner=self.planner)
         meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
-        if dist.get_rank() == 0:
-            future.add_done_callback(lambda f: self._finalize(f, partial, final, meta, began))
+        if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
+            named: Future = Future()
+            future.add_done_callback(lambda f: self._finalize(f, named, partial, final, meta, began))
+            future = named
         self.pending = future
 
-    def _finalize(self, future: Future, partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
-        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; keep an error for ``wait``."""
+    @staticmethod
+    def _finalize(written: Future, named: Future, partial: Path, final: Path, meta: dict[str, Any],
+                  began: float) -> None:
+        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; ``named`` carries any error."""
         try:
-            if future.exception() is None:
-                _finalize(partial, final, meta, began)
-        except OSError as error:
-            self.failed = error
+            written.result()
+            _finalize(partial, final, meta, began)
+            named.set_result(None)
+        except BaseException as error:  # handed on whole to whoever waits on ``named``
+            named.set_exception(error)
+
+    def _finish_local(self, barrier: bool = False) -> None:
+        """Wait for this rank's save in flight (raising its error); with ``barrier``, for every rank's too."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            finally:  # every rank meets here, a failed one too, before its error goes up
+                if barrier:
+                    dist.barrier(group=self.group)
 
     def wait(self) -> None:
         """Wait for the save in flight (raising its error, or the renaming's) and for every rank to see it named."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-            dist.barrier(group=self.group)
-        if self.failed is not None:
-            raise self.failed
+        self._finish_local(barrier=True)
 
     def close(self) -> None:
         """Finish the last save and destroy the group."""
