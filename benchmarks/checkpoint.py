@@ -9,7 +9,9 @@ One run on one pool prints:
   (model and AdamW state, whole) in this one process;
 - the step-time overhead of ``checkpoint_async=True`` at ``checkpoint_every=1`` against no
   checkpointing (and a synchronous save every step): the extra wall time per step of whole
-  runs (the saves happen between steps, outside the step clock), as a share of a step;
+  runs (the saves happen between steps, outside the step clock), as a share of a step; on
+  the pool's ranks (ZeRO-3), and again on a pool of one rank, which leaves the background
+  writer a core of its own on a two-core machine;
 - ``Training.relayout`` DP4 -> TP2 x DP2 ZeRO-3 beside a torchrun relaunch that loads the same
   checkpoint (``benchmarks/checkpoint_relayout.py``; 4 ranks only).
 
@@ -67,10 +69,11 @@ def torch_save_costs(model: GPTConfig, checkpoint: str, scratch: str) -> tuple[f
 
 
 def wall_per_step(cluster, model: GPTConfig, steps: int, repeats: int, **kwargs) -> tuple[float, float]:
-    """(median wall seconds per step of whole runs, median summed step-clock seconds per step) under ZeRO-3 DP4."""
+    """(median wall seconds per step of whole runs, median step-clock seconds per step): ZeRO-3 over the pool's ranks."""
     walls, clocks = [], []
+    parallel = dict(dp=cluster.world_size, zero=3) if cluster.world_size > 1 else {}
     for _ in range(repeats):
-        exp = _experiment(cluster, model, LAYOUTS["ZeRO-3 DP4"], steps=steps, **kwargs)
+        exp = _experiment(cluster, model, parallel, steps=steps, **kwargs)
         began = time.perf_counter()
         result = exp.run()
         walls.append((time.perf_counter() - began) / steps)
@@ -99,17 +102,29 @@ def main() -> None:
             t_save, t_load, t_bytes = torch_save_costs(model, lab.checkpoints(root)[-1].path, scratch)
             print(f"{name:<12} {save_s:>10.3f} {load_s:>10.3f} {nbytes / 1e6:>8.2f}   "
                   f"{t_save:>12.3f} {t_load:>12.3f} {t_bytes / 1e6:>8.2f}")
-        none, clock = wall_per_step(cluster, model, args.steps, args.repeats)
-        every = dict(checkpoint_dir=os.path.join(scratch, "every"), checkpoint_every=1)
-        sync, _ = wall_per_step(cluster, model, args.steps, args.repeats, **every)
-        background, _ = wall_per_step(cluster, model, args.steps, args.repeats, checkpoint_async=True, **every)
+        overheads = [save_overheads(cluster, model, args.steps, args.repeats, os.path.join(scratch, "every"))]
         relayout = relayout_vs_torchrun(cluster, args.repeats) if args.ranks == 4 else None
-    print(f"ZeRO-3 DP4, {args.steps} steps, median of {args.repeats} runs: wall per step (step clock {clock:.3f} s)")
-    for label, wall in (("no checkpoints", none), ("sync save every step", sync),
-                        ("async save every step", background)):
-        print(f"  {label:<24} {wall:.3f} s/step  (+{wall - none:.3f} s per step: {(wall - none) / clock:+.1%} "
-              f"of a step)")
+    if args.ranks > 1:  # one rank on two cores leaves the background writer a core of its own
+        with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as scratch, \
+                lab.start(n=1, backend="gloo", activate=False) as single:
+            overheads.append(save_overheads(single, model, args.steps, args.repeats, os.path.join(scratch, "every")))
+    for ranks, (none, clock, sync, background) in zip((args.ranks, 1), overheads):
+        print(f"{'ZeRO-3 DP' + str(ranks) if ranks > 1 else 'one rank'}, {args.steps} steps, median of {args.repeats} "
+              f"runs: wall per step (step clock {clock:.3f} s)")
+        for label, wall in (("no checkpoints", none), ("sync save every step", sync),
+                            ("async save every step", background)):
+            print(f"  {label:<24} {wall:.3f} s/step  (+{wall - none:.3f} s per step: {(wall - none) / clock:+.1%} "
+                  f"of a step)")
     print(report(relayout) if relayout else "relayout: DP4 -> TP2xDP2 needs --ranks 4")
+
+
+def save_overheads(cluster, model: GPTConfig, steps: int, repeats: int, root: str) -> tuple[float, ...]:
+    """(wall per step without checkpoints, its step clock, wall per step saving every step synchronously, async)."""
+    none, clock = wall_per_step(cluster, model, steps, repeats)
+    every = dict(checkpoint_dir=root, checkpoint_every=1)
+    sync, _ = wall_per_step(cluster, model, steps, repeats, **every)
+    background, _ = wall_per_step(cluster, model, steps, repeats, checkpoint_async=True, **every)
+    return none, clock, sync, background
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ load plans each rank's reads from the saved chunks' offsets.
   to ``path``. A save killed before that leaves ``path`` absent (``kernels.checkpoint_files``).
 - Asynchronous save (``AsyncSaver``): ``dcp.async_save`` copies the state to CPU memory and
   writes it from a background thread over a separate gloo group; rank 0 renames when its
-  write (which ends after everyone's) is done.
+  write (which ends after everyone's) is done. DCP's plan cache is on: the saves of one run
+  after the first skip gathering and checking the plans again.
 
 Run alone (saves under DP 2, loads under TP 2, checks the weights)::
 
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -84,8 +86,10 @@ def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
             {_strip(k, stages): v for k, v in optim_sd.items()}, back)
 
 
-def _payload(model: nn.Module, optimizer, rank: int) -> dict[str, Any]:
+def _payload(model: nn.Module, optimizer, rank: int, optimizer_settings: bool = True) -> dict[str, Any]:
     model_sd, optim_sd, _ = logical_state(model, optimizer)
+    if not optimizer_settings:  # see load_checkpoint
+        optim_sd = {k: v for k, v in optim_sd.items() if not k.startswith("param_groups.")}
     return {"model": model_sd, "optim": optim_sd, "rng": {str(rank): torch.get_rng_state()}}
 
 
@@ -101,20 +105,36 @@ def _finalize(partial: Path, final: Path, meta: dict[str, Any], began: float) ->
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer, meta: dict[str, Any],
-                    process_group: dist.ProcessGroup | None = None) -> None:
+                    process_group: dist.ProcessGroup | None = None, *, optimizer_settings: bool = True) -> None:
     """Save ``model`` and ``optimizer`` (any layout) and ``meta`` to the step directory ``path``; every rank calls it.
 
     ``meta`` is plain JSON: the step, the data position, the run config, the last loss.
     Each rank's CPU RNG state is saved beside the tensors. ``path`` exists only once the
-    save is complete (module docstring).
+    save is complete (module docstring). ``optimizer_settings=False`` leaves out the
+    optimizer's settings (lr, betas, ...): only a load with ``optimizer_settings=False``
+    reads such a checkpoint (a relayout's passage).
     """
     final = Path(path)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     rank, began = dist.get_rank(process_group), time.perf_counter()
-    dcp.save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial), process_group=process_group)
+    dcp.save(_payload(model, optimizer, dist.get_rank(), optimizer_settings), checkpoint_id=str(partial),
+             process_group=process_group)
     if rank == 0:  # dcp.save returned: its collective finish wrote .metadata after every rank's files
         _finalize(partial, final, meta, began)
     dist.barrier(group=process_group)  # nobody goes on (or loads) before the checkpoint carries its name
+
+
+class _CachedPlans(DefaultSavePlanner):
+    """DCP's default planner with its plan cache on, under a key of its own.
+
+    DCP caches the save plans (and skips gathering the unchanged ones) under the planner's
+    key, by default its class name, process-wide: one key per saver keeps a later run of
+    another layout on the same warm engine from merging with this one's plans.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = key
 
 
 class AsyncSaver:
@@ -125,39 +145,51 @@ class AsyncSaver:
     training's collectives on the default group.
     """
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")  # collective: every rank builds it together
+    def __init__(self, ranks: list[int] | None = None) -> None:
+        # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
+        self.group = dist.new_group(ranks, backend="gloo")
+        # Every save of one run has the same keys and shards: after the first, DCP reuses its plans.
+        self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
         self.pending: Future | None = None
-        self.failed: OSError | None = None
 
     def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
         """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
-        self.wait()
+        self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
         final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
-                                process_group=self.group)
+                                process_group=self.group, planner=self.planner)
         meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
-        if dist.get_rank() == 0:
-            future.add_done_callback(lambda f: self._finalize(f, partial, final, meta, began))
+        if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
+            named: Future = Future()
+            future.add_done_callback(lambda f: self._finalize(f, named, partial, final, meta, began))
+            future = named
         self.pending = future
 
-    def _finalize(self, future: Future, partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
-        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; keep an error for ``wait``."""
+    @staticmethod
+    def _finalize(written: Future, named: Future, partial: Path, final: Path, meta: dict[str, Any],
+                  began: float) -> None:
+        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; ``named`` carries any error."""
         try:
-            if future.exception() is None:
-                _finalize(partial, final, meta, began)
-        except OSError as error:
-            self.failed = error
+            written.result()
+            _finalize(partial, final, meta, began)
+            named.set_result(None)
+        except BaseException as error:  # handed on whole to whoever waits on ``named``
+            named.set_exception(error)
+
+    def _finish_local(self, barrier: bool = False) -> None:
+        """Wait for this rank's save in flight (raising its error); with ``barrier``, for every rank's too."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            finally:  # every rank meets here, a failed one too, before its error goes up
+                if barrier:
+                    dist.barrier(group=self.group)
 
     def wait(self) -> None:
         """Wait for the save in flight (raising its error, or the renaming's) and for every rank to see it named."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-            dist.barrier(group=self.group)
-        if self.failed is not None:
-            raise self.failed
+        self._finish_local(barrier=True)
 
     def close(self) -> None:
         """Finish the last save and destroy the group."""
@@ -169,16 +201,22 @@ def _expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int,
     return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.ProcessGroup | None = None
-                    ) -> dict[str, Any]:
+def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.ProcessGroup | None = None,
+                    *, optimizer_settings: bool = True) -> dict[str, Any]:
     """Load a complete step directory into ``model`` and ``optimizer`` of any layout; returns its meta.
 
     Every rank calls it (without an initialized process group, one process loads the whole
     model: the reference). Raises ``CheckpointMismatchError`` naming the first mismatched
     keys and shapes, ``CheckpointMissingError`` naming what is missing. This rank's RNG
-    state is restored when the checkpoint holds one for its rank.
+    state is restored when the checkpoint holds one for its rank. ``optimizer_settings=False``
+    keeps the optimizer's own settings (lr, betas, ...) instead of reading them: flattened,
+    they are a small pickled item per parameter and field, which every rank unpickles,
+    the larger part of a small model's load; a relayout's optimizer is made from the
+    same run config as the saved one.
     """
     model_sd, optim_sd, back = logical_state(model, optimizer)
+    own_settings = {} if optimizer_settings else {k: v for k, v in optim_sd.items() if k.startswith("param_groups.")}
+    optim_sd = {k: v for k, v in optim_sd.items() if k not in own_settings}
     check_against(path, _expected_shapes(model_sd, "model"))
     stored = tensor_shapes(path)
     if optimizer is not None and not any(k.startswith("optim.") for k in stored):
@@ -193,7 +231,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     inner = unwrap(model)
     set_state_dict(inner, [] if optimizer is None else _local_optimizer(optimizer),
                    model_state_dict={back[k]: v for k, v in payload["model"].items()},
-                   optim_state_dict={back[k]: v for k, v in payload["optim"].items()}, options=_OPTIONS)
+                   optim_state_dict={back[k]: v for k, v in {**own_settings, **payload["optim"]}.items()},
+                   options=_OPTIONS)
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][str(rank)])
     return json.loads((Path(path) / META_NAME).read_text())

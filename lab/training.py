@@ -17,7 +17,9 @@ the model, the optimizer and the data position there between cells:
   tolerance: another layout sums in another order);
 - ``checkpoint_dir``/``checkpoint_every=K``: ``step()`` saves after every global step that
   is a multiple of K and after its last step, so a run a failure stops resumes from the
-  last complete save with ``Training.load``;
+  last complete save with ``Training.load``; ``checkpoint_async=True`` writes them in the
+  background (``dcp.async_save``, as an Experiment's), and ``step()`` returns once the last
+  one is complete;
 - ``save(path)`` writes a checkpoint (``kernels.checkpoint``: any layout loads it, an
   ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
   builds a Training from one, under the saved layout or another;
@@ -66,12 +68,14 @@ class Training:
     def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
-                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None) -> None:
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+                 checkpoint_async: bool = False) -> None:
         self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
                                                    trace=trace, synthetic_forward_s=synthetic_forward_s,
                                                    measure=measure, compile=compile,
                                                    checkpoint_dir=_absolute(checkpoint_dir),
-                                                   checkpoint_every=checkpoint_every))
+                                                   checkpoint_every=checkpoint_every,
+                                                   checkpoint_async=checkpoint_async))
         self._open(self.experiment.run_config())
 
     def _setup(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> None:
@@ -151,12 +155,12 @@ class Training:
     @classmethod
     def load(cls, cluster: Cluster, path: str | os.PathLike, *, parallel: Parallel | None = None,
              checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-             **options: Any) -> "Training":
+             checkpoint_async: bool = False, **options: Any) -> "Training":
         """A Training from a checkpoint (a step directory, or the latest complete one under ``path``).
 
         ``parallel`` defaults to the saved layout; any other valid layout of the same model
         loads it too. The model, seed, batch size and learning rate are the saved run's;
-        ``checkpoint_dir``/``checkpoint_every`` and ``options`` (``trace``, ``measure``, ...) are as for a
+        ``checkpoint_dir``/``checkpoint_every``/``checkpoint_async`` and ``options`` (``trace``, ``measure``, ...) are as for a
         new Training.
         """
         found = resolve(path)
@@ -164,7 +168,8 @@ class Training:
         training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
         training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
                         dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed,
-                             checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every, **options))
+                             checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every,
+                             checkpoint_async=checkpoint_async, **options))
         meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
                               str(found))[0]
         training.losses = list(meta.get("losses", []))
