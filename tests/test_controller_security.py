@@ -26,6 +26,19 @@ def outside_address() -> str | None:
     return None
 
 
+def public_ports(connection: dict) -> set[int]:
+    """The controller ports a connection file hands to engines or clients."""
+    ports = set()
+    for value in connection.values():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            ports.add(value)
+        elif isinstance(value, list):
+            ports |= {v for v in value if isinstance(v, int)}
+    return ports
+
+
 @pytest.mark.slow
 def test_a_controller_off_loopback_binds_only_there_signs_messages_and_hides_its_files():
     address = outside_address()
@@ -41,19 +54,23 @@ def test_a_controller_off_loopback_binds_only_there_signs_messages_and_hides_its
         controller = psutil.Process(controller_pid)
         controller_family = {controller_pid, *(p.pid for p in controller.children(recursive=True))}
         sockets = listening(pool.pids)
-        controller_ips = {ip for pid, ip, _ in sockets if pid in controller_family}
-        assert controller_ips == {address}, sorted(s for s in sockets if s[0] in controller_family)
-        # Engines and ranks stay on loopback on one host; nothing listens on every interface.
+        controller_sockets = {(ip, port) for pid, ip, port in sockets if pid in controller_family}
+        # Engines and clients reach the controller on the address asked for; its processes talk among
+        # themselves on loopback (ipyparallel's internal channels); nothing listens on every interface.
+        assert {ip for ip, _ in controller_sockets} == {address, "127.0.0.1"}, sorted(controller_sockets)
         assert {ip for _, ip, _ in sockets} <= {address} | LOOPBACK, sorted(sockets)
 
         assert source.client.session.key and source.client.session.signature_scheme == "hmac-sha256"
         security = Path(source.profile_dir) / "security"
-        files = sorted(security.glob("*.json"))
-        assert files, f"no connection files in {security}"
-        for path in files:
+        connection_files = sorted(security.glob("ipcontroller-*.json"))
+        assert len(connection_files) == 2, connection_files  # the client's and the engines'
+        for path in connection_files:
             connection = json.loads(path.read_text())
-            assert connection["key"] and connection["signature_scheme"].startswith("hmac-"), path.name
-            assert connection["location"] == address or connection.get("interface", "").endswith(address)
+            assert connection["key"] and connection["signature_scheme"] == "hmac-sha256", path.name
+            assert connection["interface"] == f"tcp://{address}", path.name
+            for port in public_ports(connection):
+                assert {ip for ip, p in controller_sockets if p == port} == {address}, (path.name, port)
+        for path in security.iterdir():
             assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
         assert stat.S_IMODE(Path(source.profile_dir).stat().st_mode) & 0o077 == 0
     finally:
