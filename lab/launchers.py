@@ -15,6 +15,7 @@ passes ``--bind-to none`` and sets threads per rank itself, as for local engines
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 
@@ -36,10 +37,10 @@ def check_launcher(launcher: str) -> str:
     if launcher == "mpi":
         if shutil.which("mpiexec") is None:
             raise ValueError("launcher='mpi' needs mpiexec on PATH (Debian: apt-get install openmpi-bin)")
-        try:
-            import mpi4py  # noqa: F401  (the engines import it at start: ipengine --mpi)
-        except ImportError:
-            raise ValueError("launcher='mpi' needs mpi4py (pip install mpi4py, or the project's [mpi] extra)") from None
+        # Looked up, not imported: importing mpi4py.MPI would initialise MPI in the driver.
+        if importlib.util.find_spec("mpi4py") is None:
+            raise ValueError("launcher='mpi' needs mpi4py, which the engines import (pip install mpi4py, "
+                             "or the project's [mpi] extra)")
     return launcher
 
 
