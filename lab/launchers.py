@@ -65,6 +65,10 @@ def engine_launcher_config(launcher: str, n: int, engine_env: dict[str, str]) ->
     if launcher == "mpi":
         config.MPIEngineSetLauncher.environment = dict(engine_env)
         config.MPIEngineSetLauncher.mpi_args = mpiexec_args(n)
+        # `ipengine --mpi` asks the hub for its MPI rank as engine id, so a later mpiexec (spares,
+        # replacements, restart) would get back the ids of engines just gone; the lab tells old
+        # engines from new ones by id, so every engine takes the hub's next fresh id instead.
+        config.MPIEngineSetLauncher.engine_args = ["--IPEngine.id=None"]
     else:
         config.LocalEngineSetLauncher.environment = dict(engine_env)
     return launcher, config  # ipyparallel takes the same short names

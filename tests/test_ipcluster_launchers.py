@@ -17,7 +17,8 @@ from tests.launcher_checks import check_ranks_reduce_and_train
 SLURM_SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "slurm_single_node.sh"
 
 # What `ipcluster start --engines=mpi` needs from Open MPI here (README "More than one machine").
-MPI_CONFIG = f"c.MPIEngineSetLauncher.mpi_args = {launchers.mpiexec_args(4)!r}\n"
+MPI_CONFIG = (f"c.MPIEngineSetLauncher.mpi_args = {launchers.mpiexec_args(4)!r}\n"
+              'c.MPIEngineSetLauncher.engine_args = ["--IPEngine.id=None"]\n')
 
 
 @pytest.mark.slow
