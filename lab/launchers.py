@@ -2,7 +2,7 @@
 
 ``"local"`` starts each engine as a plain child process; ``"mpi"`` starts them all
 with one ``mpiexec`` through ipyparallel's ``MPIEngineSetLauncher`` (each engine runs
-``ipengine --mpi``, so mpi4py is initialised in it and its MPI rank is its engine id).
+``ipengine --mpi``, so mpi4py is initialised in it).
 The torch.distributed world is built on top exactly as for local engines: MPI only
 starts the processes, gloo or NCCL still carries the collectives.
 
