@@ -3,6 +3,7 @@
 # to `ipcluster start --engines=slurm`. Run as root:  .ci/slurm_single_node.sh start | stop | status
 # No cgroups are needed (proctrack/linuxproc, task/none), so it also runs in a container. The node declares
 # at least 8 CPUs (config_overrides) so that a 4-engine job fits on a 2-core machine.
+# `stop` stops what `start` started, by PID: slurmd, slurmctld, and munged unless it was already running.
 # On failure it prints "slurm: cannot start: <what failed>" on stderr and exits 1; the tests skip with that line.
 set -uo pipefail
 STATE=/var/lib/cluster-lab-slurm
@@ -46,6 +47,7 @@ start_munge() {
   mkdir -p /run/munge && chown munge:munge /run/munge
   if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     runuser -u munge -- /usr/sbin/munged || fail "munged did not start (see /var/log/munge/munged.log)"
+    cp /run/munge/munged.pid "$STATE/munged.pid"  # ours to stop; a munged already running is the machine's
   fi
   munge -n | unmunge >/dev/null 2>&1 || fail "munge cannot encode and decode a credential"
 }
@@ -77,12 +79,13 @@ start() {
 }
 
 stop() {
-  # Only the daemons this script started, by the PIDs they wrote; munged is left to the machine.
-  for name in slurmd slurmctld; do
+  # Only the daemons this script started, by the PIDs they wrote (munged only if this script started it).
+  for name in slurmd slurmctld munged; do
     if running "$STATE/$name.pid"; then kill "$(cat "$STATE/$name.pid")"; fi
   done
   for _ in $(seq 20); do
-    running "$STATE/slurmd.pid" || running "$STATE/slurmctld.pid" || return 0
+    running "$STATE/slurmd.pid" || running "$STATE/slurmctld.pid" || running "$STATE/munged.pid" || {
+      rm -f "$STATE/munged.pid"; return 0; }
     sleep 0.5
   done
   echo "slurm: daemons still running after 10 s" >&2; return 1
