@@ -137,6 +137,10 @@ class Cluster(WorldKeeper, FailureReporter):
         is taken before recovery and rides on the error (``err.report``).
         """
         targets = self._targets(ranks)
+        # An engine that died between calls (with its whole mpiexec, under MPI) fails the call like a death in one.
+        died_idle = {r for r in range(self.world_size) if self._is_dead(r)}
+        if died_idle:
+            self._raise_after_recovery(Outcome(dead=died_idle), timeout=timeout)
         self._standby.warm({r.engine_id for r in self._rank_map.ranks})
         pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
         for listener in list(self._submit_listeners):

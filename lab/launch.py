@@ -25,7 +25,8 @@ from pathlib import Path
 
 import ipyparallel as ipp
 import psutil
-from traitlets.config import Config
+
+from lab import launchers
 
 
 @dataclass
@@ -40,17 +41,17 @@ class EngineSource:
 
 
 def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60.0,
-                engine_env: dict[str, str] | None = None) -> EngineSource:
+                engine_env: dict[str, str] | None = None, launcher: str = "local") -> EngineSource:
     """Start a controller and ``n`` engines on this machine and connect to them.
 
     ``engine_env`` is added to each engine's environment (e.g. OMP_NUM_THREADS, which
     must be set before the engine's OpenMP runtime starts, as torchrun does).
+    ``launcher`` is "local" or "mpi" (one mpiexec for all engines, see ``lab.launchers``).
     """
     profile_dir = tempfile.mkdtemp(prefix="cluster-lab-")  # mkdtemp makes it 0700
-    config = Config()
-    config.LocalEngineSetLauncher.environment = dict(engine_env or {})
+    engines, config = launchers.engine_launcher_config(launcher, n, engine_env or {})
     cluster = ipp.Cluster(n=n, profile_dir=profile_dir, controller_ip=controller_ip, config=config,
-                          log_level=40, shutdown_atexit=False, engine_timeout=timeout)
+                          engines=engines, log_level=40, shutdown_atexit=False, engine_timeout=timeout)
     try:
         client = cluster.start_and_connect_sync(activate=False)
         client.wait_for_engines(n, timeout=timeout)
@@ -121,12 +122,21 @@ def load_cluster_file(cluster_id: str, location: dict[str, str], *, timeout: flo
 
 
 def launched_pids(cluster: ipp.Cluster) -> set[int]:
-    """PIDs of the controller and engines this cluster's launchers started, and their children."""
+    """PIDs of the controller and engines this cluster's launchers started, and their children.
+
+    A local engine set holds one launcher per engine; an MPI engine set is one
+    ``mpiexec`` whose children (the engines) are found below it.
+    """
     roots = []
     if cluster.controller is not None and cluster.controller.pid:
         roots.append(cluster.controller.pid)
     for engine_set in cluster.engines.values():
-        roots.extend(launcher.pid for launcher in getattr(engine_set, "launchers", {}).values() if launcher.pid)
+        per_engine = getattr(engine_set, "launchers", None)
+        if per_engine is None:
+            roots.append(engine_set.pid)
+        else:
+            roots.extend(launcher.pid for launcher in per_engine.values())
+    roots = [pid for pid in roots if pid and pid > 0]
     pids = set(roots)
     for pid in roots:
         try:
@@ -134,6 +144,28 @@ def launched_pids(cluster: ipp.Cluster) -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return pids
+
+
+def engine_pids(engine_set: object, wait_s: float = 10.0) -> set[int]:
+    """PIDs of the engine processes of one engine set just started.
+
+    A local set knows each engine's PID. An MPI set knows only its ``mpiexec``,
+    which forks the engines a moment later: they are looked for among its children
+    (by their ``ipyparallel.engine`` command line) for up to ``wait_s``.
+    """
+    per_engine = getattr(engine_set, "launchers", None)
+    if per_engine is not None:
+        return {launcher.pid for launcher in per_engine.values() if launcher.pid}
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            found = {p.pid for p in psutil.Process(engine_set.pid).children(recursive=True)
+                     if "ipyparallel.engine" in p.cmdline()}  # not its nanny, "ipyparallel.engine.nanny"
+        except psutil.Error:  # mpiexec gone, or a child exited while being read
+            found = set()
+        if len(found) >= engine_set.n or not is_alive(engine_set.pid) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 def restrict_security_files(profile_dir: str) -> None:

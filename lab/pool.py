@@ -1,13 +1,14 @@
 """The two ways to get a pool: start one on this machine, or attach to a running one."""
 from __future__ import annotations
 
-from lab import launch
+from lab import launch, launchers
 from lab.cluster import Cluster, default_rank_count
 
 
 def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | None = None,
           timeout: float = 60.0, *, share_gpu: bool = False, controller_ip: str = "127.0.0.1",
-          collective_timeout: float = 300.0, activate: bool = True, spare_engines: int = 1) -> Cluster:
+          collective_timeout: float = 300.0, activate: bool = True, spare_engines: int = 1,
+          launcher: str = "local") -> Cluster:
     """Start ``n`` engines on this machine and build a torch.distributed world on them.
 
     Args:
@@ -24,16 +25,20 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
         spare_engines: engines kept started and warmed beside the ranks; a rank whose engine
             dies (or is killed, wedged) takes one over in about a second instead of the 5-8 s
             a fresh engine needs, so the error comes with the world already rebuilt.
+        launcher: "local" (one child process per engine) or "mpi" (all engines under one
+            ``mpiexec``, through ipyparallel's MPI launcher; see ``lab.launchers`` for the
+            Open MPI flags it adds). Spares get an ``mpiexec`` of their own.
     """
     n = default_rank_count() if n is None else n
     if n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n}")
     if spare_engines < 0:
         raise ValueError(f"spare_engines must be 0 or more, got {spare_engines}")
+    launchers.check_launcher(launcher)
     # Like torchrun, cap each engine's OpenMP pool before it starts; torch threads are set again per rank.
     threads = threads_per_rank or 1
     source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout,
-                                engine_env={"OMP_NUM_THREADS": str(threads)})
+                                engine_env={"OMP_NUM_THREADS": str(threads)}, launcher=launcher)
     return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
                    timeout=timeout, collective_timeout=collective_timeout, activate=activate,
                    spare_engines=spare_engines)

@@ -62,7 +62,7 @@ class Standby:
             return
         cluster = self._source.ipp_cluster
         set_id = cluster.start_engines_sync(n)
-        self._launched |= {lau.pid for lau in cluster.engines[set_id].launchers.values() if lau.pid}
+        self._launched |= launch.engine_pids(cluster.engines[set_id])
         self._source.pids |= launch.launched_pids(cluster)
 
     def refill(self) -> None:
