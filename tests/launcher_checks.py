@@ -3,10 +3,20 @@ training on them matches the one-process reference. Shared by the MPI, ipcluster
 from __future__ import annotations
 
 import psutil
+import pytest
 
 import lab
+from lab import launchers
 
 TINY = lab.GPT(layers=2, d_model=16, heads=2, vocab=32, seq_len=8)
+
+
+def needs_mpi() -> None:
+    """Skip, saying what is missing, where mpiexec or mpi4py is not installed (``.ci/run`` installs both)."""
+    try:
+        launchers.check_launcher("mpi")
+    except ValueError as missing:
+        pytest.skip(str(missing))
 
 
 def rank_sum() -> float:

@@ -12,7 +12,7 @@ import pytest
 
 from lab import launchers
 from tests.ipcluster_server import connect_when_ready, ipcluster
-from tests.launcher_checks import check_ranks_reduce_and_train
+from tests.launcher_checks import check_ranks_reduce_and_train, needs_mpi
 
 SLURM_SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "slurm_single_node.sh"
 
@@ -23,7 +23,7 @@ MPI_CONFIG = (f"c.MPIEngineSetLauncher.mpi_args = {launchers.mpiexec_args(4)!r}\
 
 @pytest.mark.slow
 def test_connect_to_ipcluster_mpi_engines(tmp_path):
-    launchers.check_launcher("mpi")
+    needs_mpi()
     with ipcluster(tmp_path, "mpi", 4, MPI_CONFIG) as profile_dir:
         pool = connect_when_ready(profile_dir, 4, timeout=180)
         try:

@@ -12,7 +12,7 @@ import pytest
 
 import lab
 from lab import launchers
-from tests.launcher_checks import alive, check_ranks_reduce_and_train, rank_sum
+from tests.launcher_checks import alive, check_ranks_reduce_and_train, needs_mpi, rank_sum
 
 
 def test_an_unknown_launcher_is_refused_before_anything_starts():
@@ -32,7 +32,7 @@ def test_mpiexec_gets_the_open_mpi_flags_for_root_and_oversubscription():
 
 @pytest.mark.slow
 def test_mpi_engines_become_ranks_train_like_the_reference_and_stop_by_pid():
-    launchers.check_launcher("mpi")  # mpiexec and mpi4py are installed by .ci/run
+    needs_mpi()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", lab.OversubscribedWarning)
         pool = lab.start(4, launcher="mpi", activate=False, spare_engines=0, timeout=120)
