@@ -20,7 +20,6 @@ Run alone (two processes start RPC twice, call each other, stop)::
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -62,14 +61,7 @@ def rpc_name(rank: int) -> str:
 def open_rpc_store(bind_addr: str, world_size: int, timeout_s: float) -> int:
     """On rank 0: a rendezvous store for RPC on a free port of ``bind_addr`` only; returns the port."""
     global _store
-    family = socket.getaddrinfo(bind_addr, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as listener:
-        listener.bind((bind_addr, 0))  # port 0: the OS picks a free one
-        listener.listen()
-        _store = dist.TCPStore(bind_addr, listener.getsockname()[1], world_size, is_master=True,
-                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                               master_listen_fd=listener.fileno())
-        listener.detach()  # the store owns the descriptor now
+    _store = runtime.bound_master_store(bind_addr, world_size, timeout_s)
     return _store.port
 
 

@@ -111,18 +111,23 @@ def _visible_gpus() -> tuple[str, ...]:
     return tuple(str(i) for i in range(count))
 
 
-def open_store(bind_addr: str, world_size: int, timeout_s: float) -> int:
-    """Start the rendezvous store on rank 0, listening on ``bind_addr`` only, and return its port."""
-    global _master_store
+def bound_master_store(bind_addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A master ``TCPStore`` on a port the OS picks, listening on ``bind_addr`` only (a bare one listens everywhere)."""
     family = socket.getaddrinfo(bind_addr, 0, type=socket.SOCK_STREAM)[0][0]
     with socket.socket(family, socket.SOCK_STREAM) as listener:
         listener.bind((bind_addr, 0))  # port 0: the OS picks a free one
         listener.listen()
-        port = listener.getsockname()[1]
-        _master_store = dist.TCPStore(bind_addr, port, world_size, is_master=True,
-                                      timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                                      master_listen_fd=listener.fileno())
+        store = dist.TCPStore(bind_addr, listener.getsockname()[1], world_size, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
         listener.detach()  # the store owns the descriptor now and closes it when it goes
+    return store
+
+
+def open_store(bind_addr: str, world_size: int, timeout_s: float) -> int:
+    """Start the rendezvous store on rank 0, listening on ``bind_addr`` only, and return its port."""
+    global _master_store
+    _master_store = bound_master_store(bind_addr, world_size, timeout_s)
     return _master_store.port
 
 

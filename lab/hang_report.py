@@ -37,6 +37,7 @@ from typing import Any
 from kernels.collective_log import BEACON_KEY, RankActivity, log_path, read_state
 from kernels.records import FlightGroup
 from lab.errors import rank_list
+from lab.supervise import call_metadata
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class HangWatch:
 
     def follow(self, pending: dict[int, Any]) -> None:
         """Read the beacons of this call's per-rank futures (``Cluster.run`` calls this once it has submitted)."""
-        self._metadata = {rank: self._client.metadata[ar.msg_ids[0]] for rank, ar in pending.items()}
+        self._metadata = call_metadata(self._client, pending)
 
     def _beacon(self, rank: int) -> dict[str, Any] | None:
         md = self._metadata.get(rank)

@@ -25,6 +25,7 @@ from kernels.progress import ARMED_KEY, STOP_SIGNAL
 from kernels.progress_records import StepProgress
 from kernels.train import train_rank
 from lab.hang_report import HangWatch
+from lab.supervise import call_metadata
 
 if TYPE_CHECKING:
     from lab.experiment import Experiment
@@ -90,8 +91,7 @@ class RunHandle:
             self._finished.set()
 
     def _submitted(self, pending: dict[int, Any]) -> None:
-        client = self.experiment.cluster._source.client
-        self._metadata = {rank: client.metadata[ar.msg_ids[0]] for rank, ar in pending.items()}
+        self._metadata = call_metadata(self.experiment.cluster._source.client, pending)
         self._futures = list(pending.values())
 
     def _watch(self) -> None:

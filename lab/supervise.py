@@ -50,6 +50,11 @@ class Outcome:
         return not (self.pending or self.errors or self.dead)
 
 
+def call_metadata(client: Any, pending: dict[int, AsyncResult]) -> dict[int, dict[str, Any]]:
+    """Each rank's metadata of its call in ``client``; ``["data"]`` gathers what the rank published, as it arrives."""
+    return {rank: client.metadata[ar.msg_ids[0]] for rank, ar in pending.items()}
+
+
 def wait_ranks(pending: dict[int, AsyncResult], is_dead: Callable[[int], bool], *,
                deadline: float | None = None, stop_on_failure: bool = True,
                outcome: Outcome | None = None, on_slice: Callable[[], None] | None = None,
