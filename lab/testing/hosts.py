@@ -68,8 +68,7 @@ def hosts(k: int, ranks_per_host: int, link_gbit: float | None = None, *, timeou
         else:
             network.count_only()
         source = _start_controller(network)
-        engines = _start_engines(network, source, ranks_per_host)
-        _wait_for_engines(source, engines, k * ranks_per_host, timeout)
+        _start_engines(network, source, ranks_per_host, engines, timeout)
         source.pids |= {p.pid for p in engines}
         cluster = Cluster(source, backend="gloo", timeout=timeout, collective_timeout=collective_timeout,
                           spare_engines=0)
@@ -122,9 +121,15 @@ def _engine_file(source: launch.EngineSource) -> str:
     return str(Path(cluster.profile_dir) / "security" / f"ipcontroller-{cluster.cluster_id}-engine.json")
 
 
-def _start_engines(network: Network, source: launch.EngineSource, per_host: int) -> list[subprocess.Popen]:
+def _start_engines(network: Network, source: launch.EngineSource, per_host: int, started: list[subprocess.Popen],
+                   timeout: float) -> None:
+    """Start each host's engines into ``started``; a host's engines register before the next host's start.
+
+    The rank map numbers hosts by their lowest engine id, so registering host by host is
+    what makes ``host0`` hold rank 0 (engines started all at once register in any order).
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank, as lab.start does
-    conn, started = _engine_file(source), []
+    conn = _engine_file(source)
     for i, ns in enumerate(network.hosts):
         for _ in range(per_host):
             log = open(Path(source.profile_dir) / f"engine-{i}-{len(started)}.log", "wb")  # type: ignore[arg-type]
@@ -134,7 +139,7 @@ def _start_engines(network: Network, source: launch.EngineSource, per_host: int)
             started.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL))
             log.close()
-    return started
+        _wait_for_engines(source, started, len(started), timeout)
 
 
 def _wait_for_engines(source: launch.EngineSource, engines: list[subprocess.Popen], n: int, timeout: float) -> None:
