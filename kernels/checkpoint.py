@@ -7,7 +7,13 @@ optimizer of any layout into one logical state dict keyed by the parameters' nam
 each, replicated plain tensors are written by one rank (DCP's de-duplication). The
 optimizer state is flattened per parameter (``optim.state.<name>.exp_avg``), so any other
 partition of the parameters, another layout or world size, reads its own pieces: DCP's
-load plans each rank's reads from the saved chunks' offsets.
+load plans each rank's reads from the saved chunks' offsets. The optimizer's settings (lr,
+betas, ...) are the same for every parameter of the lab's one AdamW group, so they are
+saved once (``optim_settings.<field>``) rather than per parameter and field, which would
+be three in four of a small GPT's entries, each pickled, listed in the metadata that every
+save gathers and broadcasts, and read back by every rank; an optimizer whose parameters
+differ keeps the per-parameter form (``optim.param_groups.<name>.<field>``), and a load
+reads either.
 
 - Pipeline stages: the model passed is the ``nn.ModuleList`` of this rank's stages; its
   index prefix ("0.", "1.") is dropped from every key, which leaves the GPT's names (each
@@ -19,9 +25,10 @@ load plans each rank's reads from the saved chunks' offsets.
 - Completeness: every rank writes under ``<path>.partial``; once DCP's collective finish
   has written the global metadata, rank 0 writes ``meta.json`` and renames the directory
   to ``path``. A save killed before that leaves ``path`` absent (``kernels.checkpoint_files``).
-- Asynchronous save (``AsyncSaver``): ``dcp.async_save`` copies the state to CPU memory and
-  writes it from a background thread over a separate gloo group; rank 0 renames when its
-  write (which ends after everyone's) is done. DCP's plan cache is on: the saves of one run
+- Asynchronous save (``AsyncSaver``): ``dcp.async_save`` copies the state to CPU memory
+  (into the buffers of the run's first save: ``kernels.staging_buffers``) and writes it
+  from a background thread over a separate gloo group; rank 0 renames when its write
+  (which ends after everyone's) is done. DCP's plan cache is on: the saves of one run
   after the first skip gathering and checking the plans again.
 
 Run alone (saves under DP 2, loads under TP 2, checks the weights)::
@@ -50,8 +57,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from kernels.checkpoint_files import META_NAME, PARTIAL_SUFFIX, CheckpointMissingError, check_against, tensor_shapes
 from kernels.parallel.ddp import unwrap
+from kernels.staging_buffers import ReusedStagingBuffers
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_SETTINGS_HEAD = "param_groups."
+SHARED_SETTINGS = "optim_settings"  # the settings every parameter shares, saved once: optim_settings.<field>
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -86,11 +96,39 @@ def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
             {_strip(k, stages): v for k, v in optim_sd.items()}, back)
 
 
+def _settings_of(optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """The flattened optimizer settings, ``param_groups.<name>.<field>`` (lr, betas, ...), of a logical state."""
+    return {k: v for k, v in optim_sd.items() if k.startswith(_SETTINGS_HEAD)}
+
+
+def _field(settings_key: str) -> str:
+    return settings_key.rsplit(".", 1)[1]  # a name may hold dots, a field never does
+
+
+def shared_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """``{field: value}`` when every parameter has the same settings (the lab's one AdamW group), else None."""
+    shared: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, torch.Tensor):  # a tensor lr (capturable AdamW): kept per parameter
+            return None
+        if shared.setdefault(_field(key), value) != value:
+            return None
+    return shared or None
+
+
 def _payload(model: nn.Module, optimizer, rank: int, optimizer_settings: bool = True) -> dict[str, Any]:
     model_sd, optim_sd, _ = logical_state(model, optimizer)
+    settings = _settings_of(optim_sd)
+    payload = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k not in settings},
+               "rng": {str(rank): torch.get_rng_state()}}
     if not optimizer_settings:  # see load_checkpoint
-        optim_sd = {k: v for k, v in optim_sd.items() if not k.startswith("param_groups.")}
-    return {"model": model_sd, "optim": optim_sd, "rng": {str(rank): torch.get_rng_state()}}
+        return payload
+    shared = shared_settings(settings)
+    if shared is None:
+        payload["optim"].update(settings)
+    else:
+        payload[SHARED_SETTINGS] = shared
+    return payload
 
 
 def _finalize(partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
@@ -140,7 +178,8 @@ class _CachedPlans(DefaultSavePlanner):
 class AsyncSaver:
     """``checkpoint_async=True``: each save is staged to CPU memory now and written in the background.
 
-    One save is in flight at a time (the next waits for it); ``wait()`` finishes the last.
+    One save is in flight at a time (the next waits for it, so it may copy into the same
+    staging buffers); ``wait()`` finishes the last.
     The background writes use their own gloo group, so they never interleave with the
     training's collectives on the default group.
     """
@@ -148,8 +187,10 @@ class AsyncSaver:
     def __init__(self, ranks: list[int] | None = None) -> None:
         # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
         self.group = dist.new_group(ranks, backend="gloo")
-        # Every save of one run has the same keys and shards: after the first, DCP reuses its plans.
+        # Every save of one run has the same keys and shards: after the first, DCP reuses its plans,
+        # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
         self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
+        self.stager = ReusedStagingBuffers()
         self.pending: Future | None = None
 
     def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
@@ -158,7 +199,7 @@ class AsyncSaver:
         final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
-                                process_group=self.group, planner=self.planner)
+                                process_group=self.group, planner=self.planner, async_stager=self.stager)
         meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
         if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
             named: Future = Future()
@@ -192,8 +233,9 @@ class AsyncSaver:
         self._finish_local(barrier=True)
 
     def close(self) -> None:
-        """Finish the last save and destroy the group."""
+        """Finish the last save, free the staging buffers and destroy the group."""
         self.wait()
+        self.stager.close()
         dist.destroy_process_group(self.group)
 
 
@@ -209,33 +251,50 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     model: the reference). Raises ``CheckpointMismatchError`` naming the first mismatched
     keys and shapes, ``CheckpointMissingError`` naming what is missing. This rank's RNG
     state is restored when the checkpoint holds one for its rank. ``optimizer_settings=False``
-    keeps the optimizer's own settings (lr, betas, ...) instead of reading them: flattened,
-    they are a small pickled item per parameter and field, which every rank unpickles,
-    the larger part of a small model's load; a relayout's optimizer is made from the
-    same run config as the saved one.
+    keeps the optimizer's own settings (lr, betas, ...) instead of reading them, as a
+    relayout does: its optimizer is made from the same run config as the saved one.
     """
     model_sd, optim_sd, back = logical_state(model, optimizer)
-    own_settings = {} if optimizer_settings else {k: v for k, v in optim_sd.items() if k.startswith("param_groups.")}
-    optim_sd = {k: v for k, v in optim_sd.items() if k not in own_settings}
+    settings = _settings_of(optim_sd)
+    optim_sd = {k: v for k, v in optim_sd.items() if k not in settings}
     check_against(path, _expected_shapes(model_sd, "model"))
     stored = tensor_shapes(path)
     if optimizer is not None and not any(k.startswith("optim.") for k in stored):
         raise CheckpointMissingError(f"checkpoint {path} holds no optimizer state (weights only)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    read_shared: list[str] = []
+    if optimizer_settings:  # each setting as saved: per parameter (flattened), or once for all
+        payload["optim"].update({k: v for k, v in settings.items() if f"optim.{k}" in stored})
+        read_shared = [k for k in settings if k not in payload["optim"]]
+        payload.update(_shared_settings_to_read(path, stored, read_shared, settings))
     if f"rng.{rank}" in stored:
         payload["rng"] = {str(rank): torch.get_rng_state()}
     with warnings.catch_warnings():  # one process (the reference) loading the whole model is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(payload, checkpoint_id=path, process_group=process_group)
+    if optimizer_settings:
+        settings = {**{k: payload[SHARED_SETTINGS][_field(k)] for k in read_shared},
+                    **{k: payload["optim"].pop(k) for k in settings if k not in read_shared}}
     inner = unwrap(model)
     set_state_dict(inner, [] if optimizer is None else _local_optimizer(optimizer),
                    model_state_dict={back[k]: v for k, v in payload["model"].items()},
-                   optim_state_dict={back[k]: v for k, v in {**own_settings, **payload["optim"]}.items()},
+                   optim_state_dict={back[k]: v for k, v in {**settings, **payload["optim"]}.items()},
                    options=_OPTIONS)
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][str(rank)])
     return json.loads((Path(path) / META_NAME).read_text())
+
+
+def _shared_settings_to_read(path: str, stored: dict[str, Any], keys: list[str],
+                             settings: dict[str, Any]) -> dict[str, Any]:
+    """The part of a load's payload that reads the shared settings ``keys`` need (raising when they are not there)."""
+    fields = {_field(k): settings[k] for k in keys}
+    missing = [f for f in fields if f"{SHARED_SETTINGS}.{f}" not in stored]
+    if missing:
+        raise CheckpointMissingError(f"checkpoint {path} lacks the optimizer setting(s) {', '.join(missing)} "
+                                     f"of {keys[0].removeprefix(_SETTINGS_HEAD).rsplit('.', 1)[0]}")
+    return {SHARED_SETTINGS: fields} if fields else {}
 
 
 def load_weights(path: str, model: nn.Module) -> None:

@@ -10,8 +10,10 @@ which nothing here lists or loads.
 
 Keys are the flattened DCP keys: ``model.<GPT parameter name>`` (the names of
 ``kernels.model.GPT.state_dict()``, under every layout), ``optim.state.<name>.<exp_avg|
-exp_avg_sq|step>`` and ``optim.param_groups.<name>.<lr|...>`` (one entry per parameter, so
-any partition of the parameters over ranks can load them), ``rng.<rank>``.
+exp_avg_sq|step>`` (one entry per parameter, so any partition of the parameters over
+ranks can load them), the optimizer's settings ``optim_settings.<lr|betas|...>`` (once,
+when every parameter shares them; else ``optim.param_groups.<name>.<lr|...>``),
+``rng.<rank>``.
 
 Run alone (lists the complete checkpoints under a directory)::
 
