@@ -31,58 +31,14 @@ import statistics
 import struct
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from kernels.records import Record
+from kernels.records import OpenCollective, RankActivity, StepWait
 
 SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
 MAX_OPEN = 8  # oldest open collectives kept in a snapshot (the one a rank is stuck behind is the oldest)
 _HEADER = struct.Struct("<QI")  # sequence counter (odd while writing), JSON length
 BEACON_KEY = "watch"  # the data key under which a rank's beacon sends its state (kernels.flight_recorder)
-
-
-@dataclass(frozen=True)
-class OpenCollective(Record):
-    """A collective the rank entered and has not left."""
-
-    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv ...
-    group: str  # the mesh axis it runs over ("dp", "tp", "pp"), "world", or "group"
-    ranks: tuple[int, ...]  # the group's global ranks
-    seq: int  # its number among this rank's collectives in that group, from 1
-    nbytes: int  # payload (kernels.comm's convention)
-    entered: float  # time.time() at entry, so the driver on the same host can say how long it has waited
-    phase: str = ""  # the traced action it was entered from (backward: a gradient sync)
-
-
-@dataclass(frozen=True)
-class RankActivity(Record):
-    """One rank's published state: the step, the last traced action, the collectives it is inside."""
-
-    rank: int
-    pid: int
-    counter: int  # grows with every update, across runs of the same process
-    step: int = -1  # -1: before the first step
-    action: str = "setup"  # e.g. "forward, step 3, micro-batch 1", "optimizer, step 3", "done"
-    open: tuple[OpenCollective, ...] = ()
-    updated: float = 0.0  # time.time() of this snapshot
-    faults: tuple[str, ...] = ()  # faults injected on this rank, as they were applied
-    more_open: int = 0  # open collectives beyond the MAX_OPEN oldest listed
-
-    _nested = {"open": OpenCollective}
-
-
-@dataclass(frozen=True)
-class StepWait(Record):
-    """One rank's step split into time inside collectives and the rest (compute, Python, the optimizer)."""
-
-    rank: int
-    step: int
-    step_s: float  # from this step's batch to the next one's (the loss all-reduce included)
-    wait_s: float  # inside any collective (the union of their intervals)
-    grad_sync_s: float  # inside collectives entered during backward: the gradient all-reduce/reduce-scatter
-    compute_s: float  # step_s - wait_s
-    collectives: int  # how many collectives the rank entered in the step
 
 
 def log_path(pid: int, directory: str | None = None) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.futures import Future
 
-from kernels.ps_records import PSSpan
+from kernels.records import PSSpan
 
 MODES = ("sync", "async", "bounded")
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from kernels.progress_records import StepProgress
+from kernels.records import StepProgress
 from kernels.wait_clock import WaitClock, wait_untimed
 
 STOP_SIGNAL = signal.SIGUSR2  # SIGUSR1 is kernels.stack_report's

@@ -17,7 +17,7 @@ the server then answers every held push with the reason, so no worker waits for 
 failed one, and its own main thread raises too. Every wait polls in short sleeps, so
 when a rank dies outright the lab's interrupt ends the others' waits.
 
-Records per rank (``kernels.ps_records``): a worker's losses, pulls, pushes, bytes, time
+Records per rank (``kernels.records``): a worker's losses, pulls, pushes, bytes, time
 waiting and computing, staleness and timeline events; a server's load.
 
 Run alone (4 processes on this machine, 1 server + 3 workers, sync, beside the reference)::
@@ -39,7 +39,7 @@ from kernels.batches import BatchStream
 from kernels.data import dataset
 from kernels.model import build_gpt, loss_fn, model_config
 from kernels.parameter_server import ShardServer, split_by_bytes
-from kernels.ps_records import PSSpan
+from kernels.records import PSSpan
 from kernels.run_config import RunConfig
 
 PEER_FAILED = "a peer rank failed"  # lab.supervise counts errors naming it as collateral, not as the cause

@@ -46,7 +46,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels import faults as fault_kinds
 from kernels import flight_recorder
-from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state
+from kernels.collective_log import CollectiveLog, log_path, read_state
+from kernels.records import StepWait
 from kernels.comm import _DIST_OPS, patched_dist_names, route_ddp_through_python
 from kernels.progress import engine_publisher
 

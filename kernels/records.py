@@ -6,6 +6,8 @@ write them (as dicts), the driver passes them on, and the widgets read them thro
 ``from_dict``: a key the record does not know, or a required key that is missing, raises
 ``RecordShapeError`` naming the record and the key, so a change of shape on the ranks
 fails loudly instead of drawing nothing. Standard library only: the widgets import this.
+Every record lives here, also those of one subsystem (what a rank publishes while it
+trains, the parameter server's spans), which is why the module is longer than most.
 """
 from __future__ import annotations
 
@@ -355,3 +357,90 @@ class MemorySample(Record):
     def total(self) -> int:
         """The four categories together."""
         return self.params + self.grads + self.optimizer + self.activations
+
+
+# What a rank publishes while it trains: its collectives (kernels.collective_log) and each step.
+
+
+@dataclass(frozen=True)
+class OpenCollective(Record):
+    """A collective the rank entered and has not left."""
+
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv ...
+    group: str  # the mesh axis it runs over ("dp", "tp", "pp"), "world", or "group"
+    ranks: tuple[int, ...]  # the group's global ranks
+    seq: int  # its number among this rank's collectives in that group, from 1
+    nbytes: int  # payload (kernels.comm's convention)
+    entered: float  # time.time() at entry, so the driver on the same host can say how long it has waited
+    phase: str = ""  # the traced action it was entered from (backward: a gradient sync)
+
+
+@dataclass(frozen=True)
+class RankActivity(Record):
+    """One rank's published state: the step, the last traced action, the collectives it is inside."""
+
+    rank: int
+    pid: int
+    counter: int  # grows with every update, across runs of the same process
+    step: int = -1  # -1: before the first step
+    action: str = "setup"  # e.g. "forward, step 3, micro-batch 1", "optimizer, step 3", "done"
+    open: tuple[OpenCollective, ...] = ()
+    updated: float = 0.0  # time.time() of this snapshot
+    faults: tuple[str, ...] = ()  # faults injected on this rank, as they were applied
+    more_open: int = 0  # open collectives beyond the MAX_OPEN oldest listed
+
+    _nested = {"open": OpenCollective}
+
+
+@dataclass(frozen=True)
+class StepWait(Record):
+    """One rank's step split into time inside collectives and the rest (compute, Python, the optimizer)."""
+
+    rank: int
+    step: int
+    step_s: float  # from this step's batch to the next one's (the loss all-reduce included)
+    wait_s: float  # inside any collective (the union of their intervals)
+    grad_sync_s: float  # inside collectives entered during backward: the gradient all-reduce/reduce-scatter
+    compute_s: float  # step_s - wait_s
+    collectives: int  # how many collectives the rank entered in the step
+
+
+@dataclass(frozen=True)
+class StepProgress(Record):
+    """One finished step on one rank, sent while the run goes on (``kernels.progress``, ipyparallel's data channel).
+
+    ``collective_s`` is the time the rank's main thread spent blocked waiting for
+    collectives in the step (``kernels.wait_clock``), ``compute_s`` the rest of ``step_s``.
+    ``tokens_per_s`` is the global batch's tokens over this rank's step time.
+    ``memory_kind`` says what ``memory_bytes`` is: "rss" (the process's resident memory)
+    or "cuda" (tensor memory allocated on the rank's GPU).
+    ``sent_at`` is the rank's wall clock (Unix seconds) when the record left.
+    """
+
+    rank: int
+    step: int
+    steps: int
+    loss: float
+    step_s: float
+    tokens_per_s: float
+    collective_s: float
+    compute_s: float
+    memory_bytes: int
+    memory_kind: str
+    sent_at: float
+
+
+# The parameter server's spans of a rank's time (kernels.ps_train, kernels.parameter_server).
+
+SPAN_KINDS = ("pull", "compute", "push", "apply")  # a worker's three, a server's one
+
+
+@dataclass(frozen=True)
+class PSSpan(Record):
+    """Rank ``rank`` spent [start, end] (wall clock, seconds) on ``kind`` in its step (update, on a server) ``step``."""
+
+    rank: int
+    kind: str  # one of SPAN_KINDS
+    step: int
+    start: float
+    end: float

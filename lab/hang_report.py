@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.collective_log import BEACON_KEY, RankActivity, log_path, read_state
+from kernels.collective_log import BEACON_KEY, log_path, read_state
+from kernels.records import RankActivity
 from kernels.records import FlightGroup
 from lab.errors import rank_list
 from lab.supervise import call_metadata

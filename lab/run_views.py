@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
-from kernels.progress_records import StepProgress
+from kernels.records import StepProgress
 
 if TYPE_CHECKING:
     from lab.run_handle import RunHandle

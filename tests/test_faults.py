@@ -14,7 +14,8 @@ import time
 import pytest
 
 import lab
-from kernels.collective_log import CollectiveLog, StepWait, log_path, read_state, straggler
+from kernels.collective_log import CollectiveLog, log_path, read_state, straggler
+from kernels.records import StepWait
 from lab.faults import fault_problems
 import lab.hang_report
 from kernels.records import FlightGroup

@@ -28,7 +28,7 @@ def imported_top_levels(package: str) -> dict[str, set[str]]:
 
 # Rank-side modules the driver and the widgets may import: records and layout vocabulary, standard library only.
 TORCH_FREE = ("kernels.records", "kernels.layout_rules", "kernels.config_rules", "kernels.run_config",
-              "kernels.schedule_simulation", "kernels.progress_records", "kernels.ps_records")
+              "kernels.schedule_simulation")
 
 
 def torch_free_modules() -> list[str]:

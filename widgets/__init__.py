@@ -15,10 +15,10 @@ Each view is an anywidget (live, in a notebook) with a matplotlib twin for stati
 - ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord, measured beside predicted;
 - ``ScheduleGallery(runs)`` / ``plot_gallery(runs)``: several runs' TraceEvents and BubbleReports, one
   panel per schedule on one shared time axis, replayed in lock-step;
-- ``PSTimeline(spans)`` / ``plot_ps_timeline(spans)``: PSSpan (``kernels.ps_records``), a parameter
+- ``PSTimeline(spans)`` / ``plot_ps_timeline(spans)``: PSSpan (``kernels.records``), a parameter
   server's pull/compute/push/apply per rank; ``plot_staleness`` and ``plot_losses`` beside it;
 - ``TrainingDashboard(records, world_size=n)`` / ``plot_dashboard(records)``: StepProgress
-  (``kernels.progress_records``), live from a run handle or replayed from a saved run.
+  (``kernels.records``), live from a run handle or replayed from a saved run.
 """
 from widgets.cluster_view import ClusterView, plot_cluster
 from widgets.collective_view import CollectiveView, plot_collective
