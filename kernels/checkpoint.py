@@ -263,7 +263,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
         raise CheckpointMissingError(f"checkpoint {path} holds no optimizer state (weights only)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    read_shared: list[str] = []
+    kept, read_shared = settings, []  # optimizer_settings=False keeps the optimizer's own
     if optimizer_settings:  # each setting as saved: per parameter (flattened), or once for all
         payload["optim"].update({k: v for k, v in settings.items() if f"optim.{k}" in stored})
         read_shared = [k for k in settings if k not in payload["optim"]]
@@ -273,13 +273,12 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     with warnings.catch_warnings():  # one process (the reference) loading the whole model is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(payload, checkpoint_id=path, process_group=process_group)
-    if optimizer_settings:
-        settings = {**{k: payload[SHARED_SETTINGS][_field(k)] for k in read_shared},
-                    **{k: payload["optim"].pop(k) for k in settings if k not in read_shared}}
+    if optimizer_settings:  # the per-parameter ones were read into payload["optim"]
+        kept = {k: payload[SHARED_SETTINGS][_field(k)] for k in read_shared}
     inner = unwrap(model)
     set_state_dict(inner, [] if optimizer is None else _local_optimizer(optimizer),
                    model_state_dict={back[k]: v for k, v in payload["model"].items()},
-                   optim_state_dict={back[k]: v for k, v in {**settings, **payload["optim"]}.items()},
+                   optim_state_dict={back[k]: v for k, v in {**kept, **payload["optim"]}.items()},
                    options=_OPTIONS)
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][str(rank)])
