@@ -35,7 +35,6 @@ from kernels import runtime
 
 _SCHEME = "labrpc"
 _store: dist.Store | None = None  # rank 0's master store, from open_rpc_store until start_rpc hands it to the agent
-_running = False
 
 
 def _rendezvous(url: str, **kwargs: Any):
@@ -66,15 +65,28 @@ def open_rpc_store(bind_addr: str, world_size: int, timeout_s: float) -> int:
 
 
 def start_rpc(rank: int, world_size: int, master_addr: str, port: int, bind_addr: str, timeout_s: float) -> None:
-    """Join the RPC group as ``rank{rank}``; calls time out after ``timeout_s``."""
-    global _running
+    """Join the RPC group as ``rank{rank}``; calls time out after ``timeout_s``.
+
+    An agent still set from an earlier run is stopped first: an interrupt that lands while a run
+    stops its agent (SIGINT after a peer died) can leave it set, and ``init_rpc`` would refuse.
+    """
+    _drop_leftover_agent()
     os.environ["TP_SOCKET_IFNAME"] = runtime.interface_of(bind_addr)
     url = f"{_SCHEME}://{master_addr}:{port}?timeout={timeout_s}"  # init_rpc appends rank and world_size
     options = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout_s, num_worker_threads=8)
     if dist.is_initialized():  # on the pool; a script without a process group starts its processes afresh
         _agree_on_rpc_counts(world_size)
     rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
-    _running = True
+
+
+def _drop_leftover_agent() -> None:
+    if not rpc_api._is_current_rpc_agent_set():
+        return
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception:  # an agent shut down before its reset was interrupted: only the reset is left
+        rpc_api._cleanup_python_rpc_handler()
+        rpc_api._reset_current_rpc_agent()
 
 
 def _agree_on_rpc_counts(world_size: int) -> None:
@@ -92,10 +104,18 @@ def _agree_on_rpc_counts(world_size: int) -> None:
 
 
 def wait(future: torch.futures.Future, poll_s: float = 0.002) -> Any:
-    """``future.wait()`` in short sleeps: a wait inside torch does not end on SIGINT, an interrupt must."""
+    """``future.wait()`` in short sleeps, raising what the remote call raised.
+
+    Short sleeps: a wait inside torch does not end on SIGINT, an interrupt must. Raising: an
+    ``async_execution`` function whose future ends with ``set_exception`` reaches the caller as the
+    exception object *returned* (torch 2.13), not raised, unlike an ordinary function that raises.
+    """
     while not future.done():
         time.sleep(poll_s)
-    return future.wait()
+    result = future.wait()
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def stop_rpc(*, graceful: bool) -> None:
@@ -106,12 +126,10 @@ def stop_rpc(*, graceful: bool) -> None:
     which an engine the lab replaced restarts at 0 (and cannot be read from Python), so it would wait
     for the timeout after a worker was killed once.
     """
-    global _running, _store
+    global _store
     _store = None
-    if not _running:
-        return
-    _running = False
-    rpc.shutdown(graceful=graceful)
+    if rpc_api._is_current_rpc_agent_set():
+        rpc.shutdown(graceful=graceful)
 
 
 def _echo(text: str) -> str:

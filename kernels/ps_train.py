@@ -97,11 +97,13 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         ps_rpc.stop_rpc(graceful=False)  # see ps_rpc.stop_rpc: RPC's own graceful stop cannot follow a replaced engine
         return {**out, "shards": shards}
     except BaseException as error:
-        if _local_server is not None:
-            _local_server.fail(RuntimeError(f"parameter server rank {rank} stopped: {error}"))
-        else:
-            _tell_servers(servers, rank, error)
-        ps_rpc.stop_rpc(graceful=False)
+        try:
+            if _local_server is not None:
+                _local_server.fail(RuntimeError(f"parameter server rank {rank} stopped: {error}"))
+            else:
+                _tell_servers(servers, rank, error)
+        finally:  # a second interrupt while telling the servers must not leave the agent running
+            ps_rpc.stop_rpc(graceful=False)
         raise
     finally:
         _local_server = None
