@@ -226,8 +226,9 @@ def _planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
                 "microbatches": record.get("microbatches", 1)}
     if cfg.get("stages_per_rank"):
         parallel["stages_per_rank"] = int(cfg["stages_per_rank"])
-    if cfg.get("sequence_parallel"):
-        parallel["sequence_parallel"] = True
+    for flag in ("sequence_parallel", "loss_parallel"):
+        if cfg.get(flag):
+            parallel[flag] = True
     p = plan(cfg.get("model", {}), gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel,
              global_batch=int(cfg.get("global_batch", 8)), dtype="fp32", optimizer="adam")
     return p.stages[record["coords"]["pp"]]

@@ -28,7 +28,10 @@ What is counted, per iteration with M micro-batches per dp rank:
 - tp axis outside the blocks, for a per-tensor model (``Work.embed``/``Work.head``, the
   lab's TP plan): the row-parallel token and position embeddings all-reduce their
   outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input
-  gradient b·s·h backward and all-gathers the logits b·s·V forward (no loss_parallel).
+  gradient b·s·h backward and all-gathers the logits b·s·V forward. Under
+  loss_parallel the logits stay sharded on the vocab: torch's sharded cross-entropy
+  all-reduces three b·s tensors forward instead (the row max, the sum of exponentials
+  and the target logit), and its backward is local.
   Under SP the embedding all-reduces become reduce-scatters and the head's input is
   all-gathered forward, reduce-scattered backward.
 - pp axis: per micro-batch and virtual stage, one activation send forward and one
@@ -160,8 +163,11 @@ def _tp_outer_entries(lay: Layout, w: Work, link: str, payload: float) -> list[C
         if lay.sequence_parallel:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
             out.append(entry("tp", "all_gather", "fwd", link, n, m, payload))
         out.append(entry("tp", reduce, "bwd", link, n, m, payload))  # input gradient (b, s, h)
-        logits = payload / w.hidden * w.vocab
-        out.append(entry("tp", "all_gather", "fwd", link, n, m, logits))  # (b, s, V/tp) -> (b, s, V)
+        if lay.loss_parallel:  # max, sum of exp and target logit, each (b, s)
+            out.append(entry("tp", "all_reduce", "fwd", link, n, 3 * m, payload / w.hidden))
+        else:
+            logits = payload / w.hidden * w.vocab
+            out.append(entry("tp", "all_gather", "fwd", link, n, m, logits))  # (b, s, V/tp) -> (b, s, V)
     return out
 
 

@@ -7,7 +7,7 @@ when any of them crosses nodes (the slowest group sets the pace of a collective)
 
 ``Layout`` reads the attributes of ``lab.parallel.Parallel`` (dp, tp, pp, zero,
 fsdp_strategy, dp_replicate, schedule, microbatches, stages_per_rank, sequence_parallel,
-activation_checkpointing) from any object or plain dict, without importing it, and
+loss_parallel, activation_checkpointing) from any object or plain dict, without importing it, and
 resolves them with the rules of ``kernels.layout_rules``. Pure Python; no torch.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Layout:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     dp_replicate: int = 1  # HSDP replicate groups (dp = dp_replicate * dp_shard); 1 without hybrid
+    loss_parallel: bool = False  # cross-entropy on vocab-sharded logits (tp > 1, pp == 1): they are never gathered
 
     @property
     def world(self) -> int:
@@ -71,7 +72,8 @@ def layout_from(parallel: Any, *, schedule: str | None = None,
     """Build a Layout from a Parallel-like object or dict; explicit arguments win.
 
     Raises ValueError for sizes below 1, an unknown schedule or FSDP strategy, a ZeRO
-    stage that disagrees with the strategy, or a stage count the schedule cannot run.
+    stage that disagrees with the strategy, a stage count the schedule cannot run, or
+    loss_parallel with a pipeline (as ``Parallel.check``'s rule "loss-parallel-pp").
     """
     dp, tp, pp = (int(_get(parallel, k, 1)) for k in ("dp", "tp", "pp"))
     if min(dp, tp, pp) < 1:
@@ -91,8 +93,12 @@ def layout_from(parallel: Any, *, schedule: str | None = None,
     ac = activation_checkpointing
     if ac is None:
         ac = bool(_get(parallel, "activation_checkpointing", False))
+    loss_parallel = bool(_get(parallel, "loss_parallel", False))
+    if loss_parallel and pp > 1:
+        raise ValueError(f"loss_parallel needs pp == 1, got pp={pp}: a pipeline schedule computes the loss "
+                         "inside its last stage")
     return Layout(dp, tp, pp, zero, strategy, sched, v, bool(_get(parallel, "sequence_parallel", False)),
-                  bool(ac), replicate)
+                  bool(ac), replicate, loss_parallel and tp > 1)
 
 
 def axis_groups(dp: int, tp: int, pp: int, axis: str) -> list[list[int]]:

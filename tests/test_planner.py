@@ -466,3 +466,21 @@ def test_recommend_notes_that_lab_parallel_refuses_zero1_with_tp():
     assert rec.best.parallel["zero"] == 1 and rec.best.parallel["tp"] > 1
     assert any("zero=2" in w for w in rec.warnings)
     assert not any("zero=2" in w for w in recommend("gpt2-1.5b", 8).warnings)
+
+
+def test_loss_parallel_trades_the_logits_all_gather_for_three_b_s_all_reduces():
+    model = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}
+
+    def tp_forward(**flags):
+        p = plan(model, gpus=4, parallel={"tp": 4, **flags}, global_batch=8, dtype="fp32")
+        return {(e.op, e.payload_bytes): e.count for e in p.stages[0].comm if e.phase == "fwd"}
+
+    gathered, sharded = tp_forward(), tp_forward(loss_parallel=True)
+    b_s_h, b_s = 8 * 16 * 32 * 4, 8 * 16 * 4  # fp32 bytes; one micro-batch of 8
+    assert gathered[("all_gather", b_s_h / 32 * 64)] == 1  # (b, s, V) logits
+    assert "all_gather" not in {op for op, _ in sharded}
+    assert sharded[("all_reduce", b_s)] == 3
+    assert {k: v for k, v in sharded.items() if k[1] != b_s} == {k: v for k, v in gathered.items() if k[0] != "all_gather"}
+    with pytest.raises(ValueError, match="loss_parallel needs pp == 1"):
+        plan(model, gpus=4, parallel={"tp": 2, "pp": 2, "loss_parallel": True}, global_batch=8)
+    assert plan(model, gpus=4, parallel={"dp": 4, "loss_parallel": True}, global_batch=8).layout.loss_parallel is False

@@ -35,7 +35,8 @@ allowance is computed, not guessed:
 Traffic per step is compared within 5% as payload bytes (the planner's
 ``total_payload``; wire bytes are both × the same busbw factor), and is in fact
 exact: dp axis against the ``torch.distributed`` rows, tp axis against the DTensor
-("funcol") rows, embedding, LM-head and logits collectives included, pp against the
+("funcol") rows, embedding, LM-head and logits collectives included (under
+loss_parallel, the sharded cross-entropy's three all-reduces instead), pp against the
 stage's sends. ZeRO-1 is compared in wire bytes: the planner counts the ZeRO paper's
 reduce-scatter + all-gather (2Ψ(N-1)/N), which is what torch's gradient all-reduce
 puts on the wire; ZeroRedundancyOptimizer's parameter broadcast (Ψ) comes on top and
@@ -61,6 +62,7 @@ LAYOUTS = {
     "zero2": {"dp": 4, "zero": 2},
     "zero3": {"dp": 4, "zero": 3},
     "tp4": {"dp": 1, "tp": 4},
+    "tp4_loss_parallel": {"dp": 1, "tp": 4, "loss_parallel": True},  # no logits all-gather: 3 small all-reduces
     "tp2_dp2": {"dp": 2, "tp": 2},  # zero 0: FSDP2 replication on dp (resolve_strategy)
     "tp2_dp2_zero3": {"dp": 2, "tp": 2, "zero": 3},
     "pp2_dp2": {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
