@@ -18,6 +18,10 @@ Pipeline schedules (all run by ``torch.distributed.pipelining``):
 - DualPipeV (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report"): the same V placement,
   with forward and backward chunks of different micro-batches paired.
 
+Mesh order: the ranks run row-major over the axes in ``MESH_AXES`` order, (pp, dp, tp)
+with tp fastest (Megatron-LM's layout: a tp group is neighbouring ranks, one host); a
+run may name another order, e.g. (pp, tp, dp) to spread each tp group over hosts.
+
 Sharding: ZeRO stages (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward
 Training Trillion Parameter Models") and the FSDP strategies that are them, and HSDP's
 split of the dp ranks into replicate x shard groups (Zhao et al., 2023, "PyTorch FSDP").
@@ -38,6 +42,8 @@ V_SCHEDULES = ("zbv", "dualpipev")  # stages r and 2p-1-r: rank 0 holds the firs
 ROUND_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
 # The bubble has the closed form (p-1)/(v*m+p-1) only for these (v = 1 for the single-stage two).
 CLOSED_FORM_BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+
+MESH_AXES = ("pp", "dp", "tp")  # the default rank order over the mesh axes, outermost first
 
 FSDP_STRATEGIES = ("full", "grad_op", "no_shard", "hybrid")
 # The ZeRO stages each FSDP strategy is: hybrid shards inside a group as ZeRO-2 or ZeRO-3 does.
@@ -157,6 +163,22 @@ def bubble_theory(schedule: str, pp: int, microbatches: int,
     if schedule not in CLOSED_FORM_BUBBLE_SCHEDULES:
         return None, None
     return (p - 1) / (v * m + p - 1), (p - 1) / (v * m)
+
+
+def mesh_order_problems(order: object) -> list[tuple[str, str]]:
+    """[mesh-order]: ``order`` is a tuple or list naming pp, dp and tp once each."""
+    if isinstance(order, (tuple, list)) and sorted(map(str, order)) == sorted(MESH_AXES) \
+            and all(isinstance(a, str) for a in order):
+        return []
+    return [("mesh-order", f"mesh_order must name pp, dp and tp once each (outermost first), got {order!r}")]
+
+
+def coords(rank: int, dims: dict[str, int], order: tuple[str, ...] | list[str] = MESH_AXES) -> dict[str, int]:
+    """A rank's index on each axis when ranks run row-major over ``order`` (``kernels.parallel.mesh.rank_grid``)."""
+    out = {}
+    for axis in reversed(tuple(order)):
+        out[axis], rank = rank % dims[axis], rank // dims[axis]
+    return out
 
 
 def zero_stage(zero: int, fsdp_strategy: str | None) -> int:

@@ -73,7 +73,7 @@ class RunConfig(Record):
     # watching (kernels.rank_watch): the collective log the driver reads, and faults on purpose (kernels.faults)
     watch_collectives: bool = False
     faults: tuple[dict[str, Any], ...] = ()
-    mesh_order: tuple[str, ...] = ("pp", "dp", "tp")  # rank order over the mesh axes, outermost first
+    mesh_order: tuple[str, ...] = layout_rules.MESH_AXES  # rank order over the mesh axes, outermost first
 
     def __post_init__(self) -> None:
         problems = run_problems(self)
@@ -120,8 +120,7 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
     out += rules.adamw_problems(c.lr, c.betas, c.eps, c.weight_decay)
     out += rules.measuring_problems(c.pp, c.trace, c.synthetic_forward_s)
     out += rules.checkpoint_problems(c.checkpoint_dir, c.checkpoint_every, c.resume_from, c.checkpoint_async)
-    if sorted(c.mesh_order) != ["dp", "pp", "tp"]:
-        out.append(("mesh-order", f"mesh_order must name pp, dp and tp once each, got {c.mesh_order!r}"))
+    out += layout_rules.mesh_order_problems(c.mesh_order)
     hosts = c.ranks_per_host
     if hosts is not None and not (isinstance(hosts, (tuple, list)) and hosts):
         out.append(("positive-sizes", f"ranks_per_host must be None or a list of positive ints, got {hosts!r}"))

@@ -8,8 +8,9 @@ receiving rank is on another host, *intra-host* otherwise.
 - measured: the meter records each call's group (as torch.distributed reports it) and
   from that the destination (``kernels.comm``, the row's ``"to"``); ``split`` uses the
   pool's rank → host map;
-- planned: the groups of the (pp, dp, tp) mesh in the run's rank order (``coords``, as
-  ``lab.plan_mesh.axis_groups`` for the default order) and the planner's payloads (``lab.measure.predicted_comm``), with pipeline sends split into the
+- planned: the groups of the (pp, dp, tp) mesh in the run's rank order
+  (``kernels.layout_rules.coords``, as ``lab.plan_mesh.axis_groups``) and the planner's
+  payloads (``lab.measure.predicted_comm``), with pipeline sends split into the
   forward ones (to the next stage) and backward ones (to the one before), on the same
   rank → host map (``planned_inter``).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from kernels.layout_rules import MESH_AXES, coords
 from lab.plan_math import busbw_factor
 
 P2P = ("send", "recv")
@@ -37,17 +39,6 @@ def split(row: dict[str, Any], rank: int, hosts: Sequence[str]) -> tuple[float, 
     f = wire_factor(row["op"], row["group_size"])
     inter = sum(b for r, b in to.items() if hosts[int(r)] != hosts[rank]) * f
     return sum(to.values()) * f - inter, inter
-
-
-MESH_AXES = ("pp", "dp", "tp")
-
-
-def coords(rank: int, dims: dict[str, int], order: Sequence[str] = MESH_AXES) -> dict[str, int]:
-    """A rank's index on each axis when ranks run row-major over ``order`` (``kernels.parallel.mesh.ParallelDims``)."""
-    out = {}
-    for axis in reversed(tuple(order)):
-        out[axis], rank = rank % dims[axis], rank // dims[axis]
-    return out
 
 
 def neighbour(dims: dict[str, int], axis: str, rank: int, step: int = 1, order: Sequence[str] = MESH_AXES) -> int:

@@ -41,6 +41,7 @@ import re
 from typing import Any
 
 from kernels import activation_rules
+from kernels.layout_rules import MESH_AXES
 from kernels.measure import measure_rank
 from kernels.records import CommRecord, MemoryRecord
 from lab import host_traffic
@@ -263,8 +264,8 @@ def comm_records(record: dict[str, Any], cfg: dict[str, Any], hosts: list[str] |
     for row in record["comm"]:
         predicted = _predicted(pred, row, record)
         both = host_traffic.split(row, record["rank"], hosts) if hosts else None
-        planned = host_traffic.planned_inter(row, record, predicted, sends, hosts,
-                                                                cfg.get("mesh_order", host_traffic.MESH_AXES)) if hosts else None
+        order = cfg.get("mesh_order", MESH_AXES)
+        planned = host_traffic.planned_inter(row, record, predicted, sends, hosts, order) if hosts else None
         f = busbw_factor(row["op"], row["group_size"]) if row["op"] != "all_to_all" else 1.0
         algbw = row["payload_bytes"] / row["seconds"] if row["seconds"] > 0 else 0.0
         out.append(CommRecord(rank=record["rank"], op=row["op"], group_size=row["group_size"],

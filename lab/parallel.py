@@ -2,7 +2,8 @@
 
 ``Parallel`` is a frozen dataclass in the spirit of torchtitan's ``ParallelDims``: it
 is passed explicitly, checks itself, and says what is wrong in words. The mesh
-order is ``(pp, dp, tp)`` with tp varying fastest (docs/design.md#mesh-order).
+order is ``(pp, dp, tp)`` with tp varying fastest unless ``mesh_order`` names another
+(docs/design.md#mesh-order).
 
 Two kinds of checks:
 
@@ -31,7 +32,8 @@ from typing import Any
 from kernels import config_rules
 from kernels.config_rules import ConfigError, Problem
 from kernels.layout_rules import (FSDP_STRATEGY_ZERO, SCHEDULES, default_microbatches, default_stages_per_rank,
-                                  hsdp_split, microbatch_problems, stage_problems, zero_stage)
+                                  MESH_AXES, hsdp_split, mesh_order_problems, microbatch_problems, stage_problems,
+                                  zero_stage)
 
 # Pipeline schedules that split each backward into an input-gradient and a weight-gradient pass.
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
@@ -39,7 +41,7 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload")
 
 RULES = {
-    "mesh-order": "mesh_order names pp, dp and tp once each, outermost first; HSDP needs the default (pp, dp, tp)",
+    "mesh-order": "mesh_order names pp, dp and tp once each, outermost first",
     # The fields one at a time (kernels.config_rules): Parallel, Experiment, RunConfig and GPTConfig.
     "positive-sizes": "sizes and counts (dp, tp, pp, microbatches, stages_per_rank, dp_replicate, global_batch, "
                       "steps, the model's layers, d_model, heads, vocab, seq_len, d_ff) must be ints >= 1, "
@@ -115,11 +117,15 @@ class Parallel:
     activation_checkpointing: bool = False  # recompute each block in backward
     mixed_precision: str | None = None  # None (fp32) or "bf16" (FSDP2's MixedPrecisionPolicy, else torch.autocast)
     cpu_offload: bool = False  # keep sharded params/grads/optimizer on CPU (CPUOffloadPolicy)
+    # Rank order over the mesh axes, outermost first: the default keeps each tp group on
+    # neighbouring ranks (one host); ("pp", "tp", "dp") spreads it over hosts, to see what that costs.
+    mesh_order: tuple[str, ...] = MESH_AXES
 
     def __post_init__(self) -> None:
         problems = self._field_problems()
         if problems:  # raised here, so a plain traceback shows one frame of the lab
             raise ParallelConfigError(problems)
+        object.__setattr__(self, "mesh_order", tuple(self.mesh_order))  # from_dict of JSON gives a list
 
     # --- resolved values --------------------------------------------------------
     @property
@@ -185,6 +191,7 @@ class Parallel:
                                           "dp_replicate": self.dp_replicate})
         out += config_rules.flag_problems({name: getattr(self, name) for name in FLAGS})
         out += config_rules.sharding_problems(self.zero, self.fsdp_strategy, self.mixed_precision)
+        out += mesh_order_problems(self.mesh_order)
         if out:  # the rules below combine fields, and assume each is sane
             return out
         if self.schedule not in SCHEDULES:  # the defaults below depend on a known schedule
@@ -315,4 +322,6 @@ class Parallel:
         parts += [name for name, on in flags if on]
         if self.mixed_precision:
             parts.append(self.mixed_precision)
+        if tuple(self.mesh_order) != MESH_AXES:
+            parts.append("order=" + ",".join(self.mesh_order))
         return " ".join(parts)

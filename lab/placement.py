@@ -4,8 +4,8 @@
 twice on a pool of several hosts: with the default mesh order (pp, dp, tp), each tp group
 on one host, and with ``mesh_order=("pp", "tp", "dp")``, each tp group across hosts.
 For each it gives the median over steps (the first left out) of the slowest rank's step
-time, and the planner's prediction: its wire bytes per rank and step (``lab.plan(...).comm``),
-each axis on the link it uses in that placement (``lab.host_traffic.crosses_hosts``), over
+time, and the planner's prediction: its wire bytes per rank and step (``lab.plan(...).comm``,
+given the placement's ``mesh_order``), each axis on the link the planner puts it on, over
 the all-reduce busbw measured on that link (``lab.bench_collectives``).
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 from kernels.train import train_rank
 from lab.bench import bench_collectives
-from lab.host_traffic import crosses_hosts
 from lab.planner import plan
 
 PLACEMENTS = {"TP inside hosts": ("pp", "dp", "tp"), "TP across hosts": ("pp", "tp", "dp")}
@@ -36,14 +35,13 @@ def step_time(cluster: Any, cfg: dict[str, Any]) -> float:
 
 def planned(cfg: dict[str, Any], hosts: list[str], bw: dict[str, float]) -> dict[str, Any]:
     """The planner's wire bytes per rank and step on each link for ``cfg``'s placement on ``hosts``, and their time."""
-    dims = {"dp": int(cfg.get("dp", 1)), "tp": int(cfg.get("tp", 1)), "pp": 1}
-    p = plan(cfg["model"], gpus=len(hosts), gpus_per_node=len(hosts) // len(set(hosts)),
-             parallel={"dp": dims["dp"], "tp": dims["tp"]}, global_batch=int(cfg["global_batch"]),
-             dtype="fp32", optimizer="adam")
-    order = tuple(cfg.get("mesh_order", PLACEMENTS["TP inside hosts"]))
+    parallel = {"dp": int(cfg.get("dp", 1)), "tp": int(cfg.get("tp", 1)),
+                "mesh_order": tuple(cfg.get("mesh_order", PLACEMENTS["TP inside hosts"]))}
+    p = plan(cfg["model"], gpus=len(hosts), gpus_per_node=len(hosts) // len(set(hosts)), parallel=parallel,
+             global_batch=int(cfg["global_batch"]), dtype="fp32", optimizer="adam")
     wire = {"intra": 0.0, "inter": 0.0}
     for e in p.comm:
-        wire["inter" if crosses_hosts(dims, e.axis, hosts, order) else "intra"] += e.wire_bytes
+        wire[e.link] += e.wire_bytes
     return {"wire_bytes": wire, "seconds": sum(wire[link] / bw[link] for link in wire)}
 
 

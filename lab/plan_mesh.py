@@ -1,13 +1,15 @@
 """Where each parallel group lands: the (pp, dp, tp) mesh on nodes, and the layout fields.
 
 Mesh order is ``(pp, dp, tp)`` with tp fastest (docs/design.md#mesh-order): global rank
-``(pp_i * dp + dp_i) * tp + tp_i``, and rank r sits on node ``r // gpus_per_node``. A
+``(pp_i * dp + dp_i) * tp + tp_i``, unless the layout names another ``mesh_order``
+(ranks run row-major over it, ``kernels.layout_rules.coords``); rank r sits on node
+``r // gpus_per_node``. A
 group is "intra" when every group of that axis stays inside one node, and "inter"
 when any of them crosses nodes (the slowest group sets the pace of a collective).
 
 ``Layout`` reads the attributes of ``lab.parallel.Parallel`` (dp, tp, pp, zero,
 fsdp_strategy, dp_replicate, schedule, microbatches, stages_per_rank, sequence_parallel,
-loss_parallel, activation_checkpointing) from any object or plain dict, without importing it, and
+loss_parallel, activation_checkpointing, mesh_order) from any object or plain dict, without importing it, and
 resolves them with the rules of ``kernels.layout_rules``. Pure Python; no torch.
 """
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kernels.layout_rules import canonical_schedule, default_stages_per_rank, hsdp_split, stage_problems, zero_stage
+from kernels.layout_rules import (MESH_AXES, canonical_schedule, coords, default_stages_per_rank, hsdp_split,
+                                  mesh_order_problems, stage_problems, zero_stage)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Layout:
     activation_checkpointing: bool = False
     dp_replicate: int = 1  # HSDP replicate groups (dp = dp_replicate * dp_shard); 1 without hybrid
     loss_parallel: bool = False  # cross-entropy on vocab-sharded logits (tp > 1, pp == 1): they are never gathered
+    mesh_order: tuple[str, ...] = MESH_AXES  # rank order over the axes, outermost first
 
     @property
     def world(self) -> int:
@@ -56,6 +60,8 @@ class Layout:
         text = "×".join(p for p in parts if not p.endswith("P1") or p == "DP1") + " " + shard
         if self.pp > 1:
             text += f" {self.schedule}" + (f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+        if self.mesh_order != MESH_AXES:
+            text += " order=" + ",".join(self.mesh_order)
         return text
 
 
@@ -72,8 +78,9 @@ def layout_from(parallel: Any, *, schedule: str | None = None,
     """Build a Layout from a Parallel-like object or dict; explicit arguments win.
 
     Raises ValueError for sizes below 1, an unknown schedule or FSDP strategy, a ZeRO
-    stage that disagrees with the strategy, a stage count the schedule cannot run, or
-    loss_parallel with a pipeline (as ``Parallel.check``'s rule "loss-parallel-pp").
+    stage that disagrees with the strategy, a stage count the schedule cannot run,
+    loss_parallel with a pipeline (as ``Parallel.check``'s rule "loss-parallel-pp"), or a
+    mesh_order that does not name pp, dp and tp once each.
     """
     dp, tp, pp = (int(_get(parallel, k, 1)) for k in ("dp", "tp", "pp"))
     if min(dp, tp, pp) < 1:
@@ -97,21 +104,27 @@ def layout_from(parallel: Any, *, schedule: str | None = None,
     if loss_parallel and pp > 1:
         raise ValueError(f"loss_parallel needs pp == 1, got pp={pp}: a pipeline schedule computes the loss "
                          "inside its last stage")
+    order = _get(parallel, "mesh_order", MESH_AXES)
+    for _, message in mesh_order_problems(order):
+        raise ValueError(message)
     return Layout(dp, tp, pp, zero, strategy, sched, v, bool(_get(parallel, "sequence_parallel", False)),
-                  bool(ac), replicate, loss_parallel and tp > 1)
+                  bool(ac), replicate, loss_parallel and tp > 1, tuple(order))
 
 
-def axis_groups(dp: int, tp: int, pp: int, axis: str) -> list[list[int]]:
-    """Global ranks of every group along ``axis`` ("tp", "dp" or "pp") of the (pp, dp, tp) mesh."""
-    def rank(p: int, d: int, t: int) -> int:
-        return (p * dp + d) * tp + t
-    if axis == "tp":
-        return [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    if axis == "dp":
-        return [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    if axis == "pp":
-        return [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    raise ValueError(f"axis must be tp, dp or pp, not {axis!r}")
+def axis_groups(dp: int, tp: int, pp: int, axis: str, order: tuple[str, ...] = MESH_AXES) -> list[list[int]]:
+    """Global ranks of every group along ``axis`` ("tp", "dp" or "pp") of the mesh with ranks in ``order``.
+
+    Each group lists its ranks by their index on ``axis`` (with the other indices fixed, a rank
+    grows with it); groups come in order of their lowest rank.
+    """
+    if axis not in MESH_AXES:
+        raise ValueError(f"axis must be tp, dp or pp, not {axis!r}")
+    dims = {"dp": dp, "tp": tp, "pp": pp}
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(dp * tp * pp):
+        at = coords(rank, dims, order)
+        groups.setdefault(tuple(at[a] for a in MESH_AXES if a != axis), []).append(rank)
+    return list(groups.values())
 
 
 def groups_link(groups: list[list[int]], gpus_per_node: int) -> str:
@@ -124,14 +137,14 @@ def groups_link(groups: list[list[int]], gpus_per_node: int) -> str:
 
 def axis_link(layout: Layout, axis: str, gpus_per_node: int) -> str:
     """The link an axis's collectives cross, given the mesh order and node size."""
-    return groups_link(axis_groups(layout.dp, layout.tp, layout.pp, axis), gpus_per_node)
+    return groups_link(axis_groups(layout.dp, layout.tp, layout.pp, axis, layout.mesh_order), gpus_per_node)
 
 
 def hybrid_groups(layout: Layout) -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups, replicate groups): each dp group split into consecutive blocks of dp_shard ranks."""
     s = layout.dp_shard
     shard, replicate = [], []
-    for group in axis_groups(layout.dp, layout.tp, layout.pp, "dp"):
+    for group in axis_groups(layout.dp, layout.tp, layout.pp, "dp", layout.mesh_order):
         shard += [group[i:i + s] for i in range(0, len(group), s)]
         replicate += [group[j::s] for j in range(s)]
     return shard, replicate

@@ -116,6 +116,18 @@ def test_run_result_equals_the_reference_and_round_trips_through_json(cluster, t
     assert again == result
 
 
+def test_a_mesh_order_puts_the_ranks_where_the_planner_counts_them(cluster):
+    order = ("pp", "tp", "dp")  # each tp group is ranks dp apart: 0 and 2, 1 and 3
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=2, tp=2, mesh_order=list(order)), global_batch=8, steps=2)
+    assert exp.run_config().mesh_order == order
+    result = exp.run(progress=False)
+    assert result.matches(exp.reference(), rtol=1e-4), result.loss_table(exp.reference())
+    tp_of = {r["rank"]: r["coords"]["tp"] for r in result.layout}
+    assert [r for r in range(4) if tp_of[r] == 0] == [0, 1]  # the default order would give ranks 0 and 2
+    planned = lab.plan(TINY, gpus=4, gpus_per_node=2, parallel=exp.parallel, global_batch=8)
+    assert {e.axis: e.link for e in planned.comm} == {"tp": "inter", "dp": "intra"}
+
+
 def test_loss_falls_over_fifty_steps(cluster):
     exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=4), global_batch=8, steps=50, lr=1e-2)
     losses = exp.run().losses

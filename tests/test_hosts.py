@@ -5,6 +5,7 @@ pool serves the module; every test that builds its own checks that nothing of it
 """
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 
@@ -14,8 +15,10 @@ from kernels.parallel.mesh import ParallelDims, rank_grid
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from kernels.train import train_rank
-from lab.host_traffic import coords, inter_host_total
+from kernels.layout_rules import MESH_AXES, coords
+from lab.host_traffic import inter_host_total
 from lab.measure import measure_layout
+from lab.plan_mesh import axis_groups
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="simulated hosts need root (network namespaces, veth, tc)")
@@ -52,14 +55,17 @@ def two_hosts():
 
 
 def test_flipped_mesh_order_matches_the_planners_coordinates():
-    dims = {"dp": 2, "tp": 2, "pp": 2}
-    for order in (("pp", "dp", "tp"), TP_ACROSS, ("tp", "dp", "pp")):
-        parallel = ParallelDims(world_size=8, order=order, **dims)
+    dims = {"dp": 2, "tp": 3, "pp": 2}
+    for order in itertools.permutations(MESH_AXES):
+        parallel = ParallelDims(world_size=12, order=order, **dims)
         grid = rank_grid(parallel)
-        for r in range(8):
+        for r in range(12):
             assert parallel.coords(r) == coords(r, dims, order)
             c = parallel.coords(r)
             assert grid[c["pp"], c["dp"], c["tp"]].item() == r
+        for i, axis in enumerate(MESH_AXES):  # the mesh's groups along an axis: the grid's rows along it
+            rows = grid.movedim(i, -1).reshape(-1, dims[axis]).tolist()
+            assert sorted(rows) == sorted(axis_groups(dims["dp"], dims["tp"], dims["pp"], axis, order)), (order, axis)
     with pytest.raises(ValueError, match="mesh_order must name pp, dp and tp"):
         RunConfig(dp=2, tp=2, mesh_order=("pp", "dp", "dp"))
 

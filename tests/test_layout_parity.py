@@ -21,7 +21,8 @@ atol 1e-4 (lr / 100): still far from one real AdamW step (~lr).
 
 Pipeline layouts run every torch schedule (PP 2 on 2 of the 4 ranks, PP 2 x DP 2,
 PP 4), and PP with TP, ZeRO-1, FSDP (ZeRO-2/3), activation checkpointing, HSDP 2x2
-(8 ranks) and TP with DP (PP x DP x TP on 8 ranks).
+(8 ranks) and TP with DP (PP x DP x TP on 8 ranks); TP x DP and PP x DP also with the
+ranks in another mesh order.
 Their loss is a sum of per-micro-batch means, another order of the same float32
 sums, and they meet the same bounds; with two blocks per stage and twice the
 micro-batches, parameters are held to a per-tensor norm bound instead (PIPELINE_NORM).
@@ -51,7 +52,7 @@ import time
 import pytest
 import torch
 
-from kernels.layout_rules import SCHEDULES, default_stages_per_rank
+from kernels.layout_rules import MESH_AXES, SCHEDULES, coords, default_stages_per_rank
 from kernels.model import build_gpt, model_config
 from kernels.parallel.mesh import live_group_count
 from kernels.reference import train_reference
@@ -80,6 +81,8 @@ LAYOUTS = {
     "tp4-sequence-parallel": ({"tp": 4, "sequence_parallel": True}, FP32),
     "tp4-sp-loss-parallel": ({"tp": 4, "sequence_parallel": True, "loss_parallel": True}, FP32),
     "tp2-dp2-replicated": ({"dp": 2, "tp": 2}, FP32),
+    # Ranks in another order (lab.Parallel(mesh_order=...)): each tp group is ranks 0 and 2, 1 and 3.
+    "tp2-dp2-tp-groups-apart": ({"dp": 2, "tp": 2, "mesh_order": ["pp", "tp", "dp"]}, FP32),
     "tp2-fsdp2-zero3": ({"dp": 2, "tp": 2, "zero": 3}, FP32),
     "tp2-fsdp2-zero3-sp": ({"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True}, FP32),
     "tp2-fsdp2-zero3-ac": ({"dp": 2, "tp": 2, "zero": 3, "activation_checkpointing": True}, FP32),
@@ -112,6 +115,7 @@ LAYOUTS.update({
     "pp2-dp2-fsdp-zero2": (_pipeline("interleaved_1f1b", 2, dp=2, zero=2), FP32),
     "pp2-dp2-fsdp-zero3": (_pipeline("1f1b", 2, dp=2, zero=3), FP32),
     "pp2-dp2-activation-checkpointing": (_pipeline("1f1b", 2, dp=2, activation_checkpointing=True), FP32),
+    "pp2-dp2-pp-fastest": (_pipeline("1f1b", 2, dp=2, mesh_order=["dp", "tp", "pp"]), FP32),  # stages 0, 1 on ranks 0, 1
     "pp2-dp2-tp2": (_pipeline("1f1b", 2, dp=2, tp=2), FP32),  # 8 ranks
     "pp2-hsdp-2x2": (_pipeline("1f1b", 2, dp=4, zero=3, fsdp_strategy="hybrid", dp_replicate=2), FP32),  # 8 ranks
     "pp2-dp2-bf16-autocast": (_pipeline("1f1b", 2, dp=2, mixed_precision="bf16"), BF16),
@@ -186,6 +190,10 @@ def test_layout_trains_like_one_process(request, layout_id):
         _check_params(rank, res["params"], ref["params"], tol, init)
         assert "pp" in fields or res["params"].keys() == ref["params"].keys(), f"rank {rank}: parameters missing"
     assert set().union(*(r["params"] for r in results)) == ref["params"].keys(), "some parameters held nowhere"
+    if "mesh_order" in fields:  # each rank sits where the order puts it (the planner counts the same)
+        dims = {axis: fields.get(axis, 1) for axis in MESH_AXES}
+        assert [r["layout"]["coords"] for r in results] == [coords(i, dims, fields["mesh_order"])
+                                                            for i in range(len(results))]
     if "pp" in fields:  # the layout names each rank's stages: every stage on dp * tp ranks
         held, copies = sorted(s for r in results for s in r["layout"]["stage_ids"]), fields["dp"] * fields["tp"]
         assert held == sorted(list(range(len(held) // copies)) * copies), held

@@ -55,6 +55,8 @@ VIOLATIONS = [
     ("cpu-offload", dict(dp=2, zero=2, cpu_offload=True), {}),
     ("cpu-offload", dict(dp=2, cpu_offload=True), {}),
     ("zero1-dtensor", dict(dp=2, tp=2, zero=1), {}),
+    ("mesh-order", dict(dp=2, tp=2, mesh_order=("pp", "dp", "dp")), {}),
+    ("mesh-order", dict(mesh_order="pp,dp,tp"), {}),
 ]
 
 
@@ -164,7 +166,8 @@ def test_a_plain_layout_has_no_warnings():
 
 
 @pytest.mark.parametrize("fields", VALID[:6] + [dict(pp=2, schedule="zbv", stages_per_rank=2, microbatches=4),
-                                                 dict(dp=4, fsdp_strategy="hybrid", dp_replicate=2)])
+                                                 dict(dp=4, fsdp_strategy="hybrid", dp_replicate=2),
+                                                 dict(dp=2, tp=2, mesh_order=("pp", "tp", "dp"))])
 def test_to_dict_from_dict_round_trips_through_json(fields):
     par = Parallel(**fields)
     assert Parallel.from_dict(json.loads(json.dumps(par.to_dict()))) == par
@@ -180,6 +183,7 @@ def test_from_dict_rejects_unknown_fields():
     (dict(dp=4, fsdp_strategy="full", mixed_precision="bf16"), "PP1×DP4×TP1 zero=3(full) 1f1b m=1 bf16"),
     (dict(pp=2, schedule="zbv", activation_checkpointing=True), "PP2×DP1×TP1 zero=0 zbv m=2 v=2 ac"),
     (dict(dp=8, fsdp_strategy="hybrid", dp_replicate=2), "PP1×DP8×TP1 zero=3(hybrid) 1f1b m=1 2x4"),
+    (dict(dp=2, tp=2, mesh_order=["pp", "tp", "dp"]), "PP1×DP2×TP2 zero=0 1f1b m=1 order=pp,tp,dp"),
 ])
 def test_describe_is_one_readable_line(fields, text):
     assert Parallel(**fields).describe() == text

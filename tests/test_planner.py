@@ -484,3 +484,16 @@ def test_loss_parallel_trades_the_logits_all_gather_for_three_b_s_all_reduces():
     with pytest.raises(ValueError, match="loss_parallel needs pp == 1"):
         plan(model, gpus=4, parallel={"tp": 2, "pp": 2, "loss_parallel": True}, global_batch=8)
     assert plan(model, gpus=4, parallel={"dp": 4, "loss_parallel": True}, global_batch=8).layout.loss_parallel is False
+
+
+def test_a_mesh_order_moves_each_axis_to_the_link_its_groups_span():
+    model = get_model("llama3-8b")
+    links = {}
+    for order in (("pp", "dp", "tp"), ("pp", "tp", "dp")):
+        p = plan(model, gpus=16, gpus_per_node=8, parallel={"dp": 2, "tp": 8, "mesh_order": order}, global_batch=32)
+        links[order] = {e.axis: e.link for e in p.comm}
+        assert any("TP across nodes" in w for w in p.warnings) == (order[-1] == "dp")
+    assert links == {("pp", "dp", "tp"): {"dp": "inter", "tp": "intra"},
+                     ("pp", "tp", "dp"): {"dp": "intra", "tp": "inter"}}
+    with pytest.raises(ValueError, match="mesh_order must name pp, dp and tp"):
+        plan(model, gpus=16, parallel={"dp": 2, "tp": 8, "mesh_order": ("pp", "tp")}, global_batch=32)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_AXES = ("pp", "dp", "tp")  # outermost first: tp is fastest (neighbouring ranks)
+from kernels.layout_rules import MESH_AXES, coords, mesh_order_problems
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ParallelDims:
         if self.dp * self.tp * self.pp != self.world_size:
             raise ValueError(f"ParallelDims: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
                              f"{self.dp * self.tp * self.pp} must equal the world size {self.world_size}")
-        if sorted(self.order) != sorted(MESH_AXES):
+        if mesh_order_problems(self.order):
             raise ValueError(f"ParallelDims.order must name pp, dp and tp once each, got {self.order!r}")
         if self.dp % self.dp_replicate:
             raise ValueError(f"ParallelDims: dp_replicate={self.dp_replicate} must divide dp={self.dp}")
@@ -62,10 +62,7 @@ class ParallelDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index on each mesh axis, from the row-major rank order ``order`` ((pp, dp, tp) by default)."""
-        out = {}
-        for axis in reversed(self.order):
-            size = getattr(self, axis)
-            out[axis], rank = rank % size, rank // size
+        out = coords(rank, {"pp": self.pp, "dp": self.dp, "tp": self.tp}, self.order)
         return {axis: out[axis] for axis in MESH_AXES}
 
 
