@@ -34,6 +34,7 @@ from lab.cluster import Cluster
 from lab.cluster_world import listen_addresses
 from lab.faults import fault_dicts, fault_problems
 from lab.parallel import ParallelConfigError
+from lab.ps_handle import PSHandle
 from lab.ps_result import PSResult
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -117,9 +118,8 @@ class ParameterServer:
         per_rank = self.cluster.run(ps_rank, self.rank_config(port), timeout=timeout)
         return self._result(per_rank, time.time() - began)
 
-    def start(self, *, timeout: float | None = None) -> "PSHandle":
+    def start(self, *, timeout: float | None = None) -> PSHandle:
         """Start the run and return at once: the handle's ``wait()`` gives the ``PSResult``, ``stop()`` ends it early."""
-        from lab.ps_handle import PSHandle
 
         return PSHandle(self, timeout=timeout)
 
