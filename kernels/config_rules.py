@@ -135,6 +135,16 @@ def adamw_problems(lr: Any, betas: Any = (0.9, 0.95), eps: Any = 1e-8, weight_de
              "and betas two numbers in [0, 1)")] if bad else []
 
 
+OPTIMIZERS = ("adamw", "sgd")  # torch.optim.AdamW with the lab's settings, or plain SGD at the same lr
+
+
+def optimizer_problems(optimizer: Any) -> list[Problem]:
+    """[optimizer]: one of OPTIMIZERS."""
+    if isinstance(optimizer, str) and optimizer in OPTIMIZERS:
+        return []
+    return [("optimizer", f"optimizer {optimizer!r} is not supported; choose one of {OPTIMIZERS}")]
+
+
 def measuring_problems(pp: Any, trace: Any, synthetic_forward_s: Any) -> list[Problem]:
     """[trace-pipeline], [synthetic-cost]: a probe that would record nothing is refused."""
     out = []

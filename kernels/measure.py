@@ -29,7 +29,7 @@ Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
 "params": describe_params, "optimizer_params": [names] (ZeRO-1 only), "memory":
 {"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
 "comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
-"step_seconds", "loss", "device", "microbatches"}``; with pp also ``"stage_ids",
+"step_seconds", "loss", "device", "microbatches", "optimizer"}``; with pp also ``"stage_ids",
 "num_stages", "micro_batch"`` (memory: ``at_rest`` only).
 
 Run alone (ZeRO-3 on 4 ranks, prints rank 0's record)::

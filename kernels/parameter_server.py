@@ -3,7 +3,7 @@
 Algorithm: the parameter server of Li et al. (OSDI 2014, "Scaling Distributed Machine
 Learning with the Parameter Server"): workers pull the parameters, compute gradients on
 their share of the data and push them; each server owns a shard of the parameters and
-runs the optimizer (AdamW or SGD, ``torch.optim`` on the shard's tensors) on it. Three
+runs the run's optimizer (AdamW or SGD, ``kernels.optimizer`` on the shard's tensors) on it. Three
 consistency models decide when a push is applied:
 
 - ``sync``: a step's update waits for every worker's push; the server applies their mean
@@ -31,7 +31,9 @@ from typing import Any, Callable
 import torch
 from torch.futures import Future
 
+from kernels.optimizer import build_optimizer
 from kernels.records import PSSpan
+from kernels.run_config import RunConfig
 
 MODES = ("sync", "async", "bounded")
 
@@ -47,21 +49,14 @@ def split_by_bytes(sizes: dict[str, int], servers: int) -> list[list[str]]:
     return shards
 
 
-def build_optimizer(params: list[torch.Tensor], optimizer: str, adamw_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """AdamW with the lab's hyper-parameters (the reference's), or plain SGD at the same lr."""
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=adamw_kwargs["lr"], foreach=False)
-    return torch.optim.AdamW(params, **adamw_kwargs)
-
-
 class ShardServer:
     """One server's parameters (name -> fp32 tensor), their optimizer, version and bookkeeping."""
 
-    def __init__(self, rank: int, params: dict[str, torch.Tensor], optimizer: str, adamw_kwargs: dict[str, Any],
+    def __init__(self, rank: int, params: dict[str, torch.Tensor], run: RunConfig,
                  mode: str, workers: list[int], max_staleness: int | None) -> None:
         self.rank, self.mode, self.workers, self.max_staleness = rank, mode, workers, max_staleness
         self.params = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-        self.optimizer = build_optimizer(list(self.params.values()), optimizer, adamw_kwargs)
+        self.optimizer = build_optimizer(list(self.params.values()), run)  # the reference's optimizer and settings
         self.version = 0
         self.lock = threading.Lock()
         self.reads: dict[int, int] = {}  # worker -> version it pulled and has not pushed back yet

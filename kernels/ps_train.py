@@ -88,9 +88,8 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         shards = split_by_bytes(sizes, servers)
         if rank < servers:
             named = dict(model.named_parameters())
-            _local_server = ShardServer(rank, {n: named[n] for n in shards[rank]}, cfg["optimizer"],
-                                        run.adamw_kwargs(), cfg["mode"], list(range(servers, world)),
-                                        cfg["max_staleness"])
+            _local_server = ShardServer(rank, {n: named[n] for n in shards[rank]}, run, cfg["mode"],
+                                        list(range(servers, world)), cfg["max_staleness"])
         dist.barrier()  # every shard exists before any worker asks for one
         out = _serve(_local_server) if rank < servers else _work(run, model, shards, cfg, rank, servers)
         dist.barrier()  # every call has been answered on every rank: nothing is in flight
@@ -212,9 +211,9 @@ def _selftest(rank: int, world: int, port: int, rpc_port_box: Any) -> None:
         rpc_port = rpc_port_box.get()
     run = RunConfig(model={"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16},
                     dp=world - 1, steps=3, global_batch=6)
-    out = ps_rank({"run": run.to_dict(), "servers": 1, "mode": "sync", "max_staleness": None, "optimizer": "adamw",
-                   "faults": [], "rpc": {"master_addr": "127.0.0.1", "port": rpc_port,
-                                         "bind_addrs": ["127.0.0.1"] * world, "timeout_s": 60}})
+    out = ps_rank({"run": run.to_dict(), "servers": 1, "mode": "sync", "max_staleness": None, "faults": [],
+                   "rpc": {"master_addr": "127.0.0.1", "port": rpc_port, "bind_addrs": ["127.0.0.1"] * world,
+                           "timeout_s": 60}})
     mine = torch.tensor(out.get("losses", [0.0] * run.steps))  # servers add nothing
     dist.all_reduce(mine)  # the workers' losses summed per step
     if rank == 0:

@@ -1,7 +1,7 @@
 """The one-process reference every parallel layout must reproduce.
 
 Algorithm: plain minibatch AdamW (Loshchilov & Hutter, 2019, "Decoupled Weight Decay
-Regularization") on the whole global batch in one process: the same initial weights
+Regularization"), or plain SGD with ``optimizer="sgd"``, on the whole global batch in one process: the same initial weights
 (``build_gpt`` with the seed), the same global batch per step
 (``SyntheticTokens.global_batch``), the same loss (mean over all B*T tokens) and the
 same optimizer hyper-parameters as ``kernels.train.train_rank``. A parallel layout is
@@ -26,6 +26,7 @@ import torch
 
 from kernels.data import dataset, microbatches
 from kernels.model import build_gpt, loss_fn, model_config
+from kernels.optimizer import build_optimizer
 from kernels.parallel.autocast import apply_autocast
 from kernels.parallel.strategy import run_strategy
 from kernels.run_config import RunConfig
@@ -42,7 +43,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     reads the whole model and optimizer state.
     """
     model = build_gpt(model_config(run))
-    optimizer = torch.optim.AdamW(model.parameters(), **run.adamw_kwargs())
+    optimizer = build_optimizer(model.parameters(), run)
     first = resume_point(run, model, optimizer)
     data = dataset(run)
     autocast = run_strategy(run)[1].autocast

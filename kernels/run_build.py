@@ -25,6 +25,7 @@ from kernels.batches import BatchStream
 from kernels.data import dataset
 from kernels.measure import PipelineProbe, StepProbe, measure_record, step_probe
 from kernels.model import build_gpt, loss_fn, model_config
+from kernels.optimizer import build_optimizer, optimizer_class
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
 from kernels.parallel.fsdp import describe_params, full_parameters
@@ -45,12 +46,12 @@ def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, St
     return run_strategy(run, world_size)
 
 
-def build_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
-    """The run's AdamW over ``model``: ZeRO-1's partitioned one, or plain; a CPU-offloaded FSDP2 model steps on CPU."""
-    kwargs = run.adamw_kwargs("cpu" if strategy.cpu_offload else device.type)
+def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
+    """The run's optimizer over ``model``: ZeRO-1's partitioned one, or plain; a CPU-offloaded FSDP2 model steps on CPU."""
+    device_type = "cpu" if strategy.cpu_offload else device.type
     if strategy.grad_sync is GradSync.ZERO1:
-        return build_zero1_optimizer(model, mesh["dp"], **kwargs)
-    return torch.optim.AdamW(model.parameters(), **kwargs)
+        return build_zero1_optimizer(model, mesh["dp"], optimizer_class(run), **run.optimizer_kwargs(device_type))
+    return build_optimizer(model.parameters(), run, device_type)
 
 
 class RankBuild:
@@ -78,7 +79,7 @@ class RankBuild:
         self.model = parallelize(build_gpt(model_config(self.run), device=self.device), self.strategy, self.mesh,
                                  self.dp_mesh)
         self.params_module = unwrap(self.model)
-        self.optimizer = build_optimizer(self.params_module, self.strategy, self.mesh, self.run, self.device)
+        self.optimizer = rank_optimizer(self.params_module, self.strategy, self.mesh, self.run, self.device)
         if self.run.measure:  # reroutes DDP's buckets through Python, before the first backward
             step_probe(self.model, self.optimizer, self.device)
         self.step_fn = FlatStep(self.model, self.strategy.microbatches, self.strategy.loss_parallel, self.device)
@@ -90,7 +91,7 @@ class RankBuild:
                                             strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
                                             self.device, loss_fn, model_transform=transform)
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
-        self.optimizer = build_optimizer(self.params_module, strategy, mesh, run, self.device)
+        self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
         self.step_fn = PipelineStep(self.pipe, self.params_module, dp_group(mesh) if by_hand else None,
                                     pp_group(mesh), self.device)
@@ -144,9 +145,10 @@ class RankBuild:
     def measure_record(self, layout: dict[str, Any], probe: StepProbe, loss: float) -> dict[str, Any]:
         """``kernels.measure``'s record of the probed step beside the layout it measured."""
         if not self.pipe:
-            return measure_record(layout, self.dims, self.device, probe, loss=loss,
+            return measure_record(layout, self.dims, self.device, probe, loss=loss, optimizer=self.run.optimizer,
                                   microbatches=self.strategy.microbatches, **self._activation_sizes())
         return measure_record(layout, self.dims, self.device, probe, strategy=self.strategy.kind, loss=loss,
+                              optimizer=self.run.optimizer,
                               num_stages=self.pipe.num_stages, microbatches=self.pipe.num_microbatches,
                               micro_batch=self.run.global_batch // (self.dims.dp * self.pipe.num_microbatches))
 

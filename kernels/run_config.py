@@ -48,6 +48,7 @@ class RunConfig(Record):
     schedule: str = "1f1b"
     stages_per_rank: int | None = None  # None: kernels.layout_rules.default_stages_per_rank
     # optimizer and data
+    optimizer: str = "adamw"  # or "sgd" (kernels.optimizer): AdamW's betas, eps and weight_decay apply to AdamW only
     global_batch: int = 8
     steps: int = 3
     lr: float = 1e-2
@@ -91,12 +92,15 @@ class RunConfig(Record):
     def dataset_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
 
-    def adamw_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
-        """AdamW's hyper-parameters and kernel on ``device_type``, the same for the reference and every layout.
+    def optimizer_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
+        """The optimizer's hyper-parameters and kernel on ``device_type``, the same for the reference and every layout.
 
-        CUDA takes the fused kernel, as torch users set it; CPU keeps the per-parameter loop
-        (foreach off), so the reference and the ranks run one kernel and match exactly.
+        AdamW on CUDA takes the fused kernel, as torch users set it; on CPU, and SGD
+        everywhere, the per-parameter loop (foreach off), so the reference and the ranks
+        run one kernel and match exactly.
         """
+        if self.optimizer == "sgd":
+            return {"lr": self.lr, "foreach": False}
         kernel = {"fused": True} if device_type == "cuda" else {"foreach": False}
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay, **kernel}
 
@@ -118,6 +122,7 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
     out += rules.data_problems(c.model.get("vocab") if isinstance(c.model, Mapping) else None)
     out += rules.seed_problems({"seed": c.seed}, {"data_seed": c.data_seed})
     out += rules.adamw_problems(c.lr, c.betas, c.eps, c.weight_decay)
+    out += rules.optimizer_problems(c.optimizer)
     out += rules.measuring_problems(c.pp, c.trace, c.synthetic_forward_s)
     out += rules.checkpoint_problems(c.checkpoint_dir, c.checkpoint_every, c.resume_from, c.checkpoint_async)
     out += layout_rules.mesh_order_problems(c.mesh_order)

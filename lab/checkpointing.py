@@ -83,8 +83,9 @@ def model_shapes(model: GPTConfig) -> dict[str, tuple[int, ...]]:
         return {f"model.{k}": tuple(v.shape) for k, v in GPT(model).state_dict().items()}
 
 
-def check_resume(path: str, model: GPTConfig, steps: int) -> int:
-    """Check a resolved ``resume_path`` against the model and the run's total steps; returns the step it resumes at."""
+def check_resume(path: str, model: GPTConfig, steps: int, optimizer: str = "adamw") -> int:
+    """Check a resolved ``resume_path`` against the model, the run's total steps and its optimizer
+    (a weights file carries no optimizer state, so any will do); returns the step it resumes at."""
     expected = model_shapes(model)
     if path.endswith(WEIGHTS_SUFFIX):
         from safetensors import safe_open
@@ -101,12 +102,20 @@ def check_resume(path: str, model: GPTConfig, steps: int) -> int:
             raise CheckpointMissingError(f"weights {path} lack {len(missing)} tensors, first: {', '.join(missing[:3])}")
         return 0
     check_against(path, expected)
-    step = int(read_meta(path)["step"])
+    meta = read_meta(path)
+    step, saved_with = int(meta["step"]), meta.get("config", {}).get("optimizer", "adamw")
+    problems = []
     if step >= steps:
+        problems.append(("checkpoint", f"the checkpoint {path} is at step {step} and steps={steps} counts "
+                                       f"the total: nothing is left to run; pass steps > {step}"))
+    if saved_with != optimizer:
+        problems.append(("checkpoint", f"the checkpoint {path} holds {saved_with}'s state and this run's optimizer is "
+                                       f"{optimizer}: it cannot go on from it; resume with optimizer={saved_with!r}, "
+                                       "or start from its weights alone (lab.export to a .safetensors file)"))
+    if problems:
         from lab.parallel import ParallelConfigError
 
-        raise ParallelConfigError([("checkpoint", f"the checkpoint {path} is at step {step} and steps={steps} counts "
-                                                  f"the total: nothing is left to run; pass steps > {step}")])
+        raise ParallelConfigError(problems)
     return step
 
 

@@ -51,7 +51,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from kernels.config_rules import ConfigError, Problem
+from kernels.config_rules import ConfigError, Problem, optimizer_problems
 from kernels.model import GPTConfig
 from kernels.reference import train_reference
 from kernels.run_config import RunConfig
@@ -66,8 +66,6 @@ from lab.parallel import Parallel, ParallelConfigError
 from lab.run_handle import RunHandle
 from lab.run_result import RunResult
 from lab.timeline import bubble_from_records, planned_orders
-
-OPTIMIZERS = ("adamw",)
 
 
 class LayoutWarning(UserWarning):
@@ -102,8 +100,7 @@ class Experiment:
 
     def _problems(self, optimizer: Any) -> list[Problem]:
         """Every rule the experiment breaks: its arguments, the rank config they make, the layout against the model."""
-        out = [] if optimizer in OPTIMIZERS else [("optimizer", f"optimizer {optimizer!r} is not supported; "
-                                                   f"choose one of {OPTIMIZERS}")]
+        out = optimizer_problems(optimizer)
         if not (isinstance(self.model, GPTConfig) and isinstance(self.parallel, Parallel)):
             return out + [("argument-types", f"model must be a lab.GPT and parallel a lab.Parallel, got "
                            f"{type(self.model).__name__} and {type(self.parallel).__name__}")]
@@ -127,7 +124,7 @@ class Experiment:
         ranks_per_host = _ranks_per_host(self.cluster) if self.trace else None  # ranks cannot see their host
         return RunConfig(
             model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
-            dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, fsdp_strategy=p.fsdp_strategy,
+            optimizer=self.optimizer, dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, fsdp_strategy=p.fsdp_strategy,
             dp_replicate=p.dp_replicate, schedule=p.schedule, microbatches=p.num_microbatches,
             stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
             loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
@@ -202,7 +199,7 @@ class Experiment:
         if self.resume_from is None:
             return cfg
         path = resume_path(self.resume_from)
-        check_resume(path, self.model, self.steps)
+        check_resume(path, self.model, self.steps, self.optimizer)
         return {**cfg, "resume_from": path}
 
 

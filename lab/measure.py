@@ -7,7 +7,7 @@ measured value:
 
 - ``formula``: the ZeRO formula of docs/design.md#zero-formulas (``plan_math.zero_memory``) for the dtypes
   held. In fp32 the parameters are the master copy: params 4Ψ, grads 4Ψ, AdamW
-  K = 8 (exp_avg + exp_avg_sq). ZeRO-2 holds whole parameters only from forward to
+  K = 8 (exp_avg + exp_avg_sq); plain SGD K = 0. ZeRO-2 holds whole parameters only from forward to
   backward, so *at rest* its parameters take the sharded term 4Ψ/N. TP divides Ψ by
   tp (norms and row-parallel biases are in fact replicated: a small excess).
 - ``predicted``: the exact rule the code follows, so a difference from the formula is
@@ -49,8 +49,9 @@ from lab.plan_math import busbw_factor, zero_memory
 from lab.planner import plan
 
 _DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.float16": 2}
-ADAM_K = 8  # fp32 AdamW: exp_avg + exp_avg_sq, 4 bytes each per element
-STEP_BYTES = 4  # AdamW's per-tensor fp32 step scalar
+# Optimizer state per parameter: bytes per element (K) and per tensor, by the run's optimizer.
+OPTIMIZER_K = {"adamw": 8, "sgd": 0}  # fp32 AdamW: exp_avg + exp_avg_sq, 4 bytes each; plain SGD keeps nothing
+STEP_BYTES = {"adamw": 4, "sgd": 0}  # AdamW's per-tensor fp32 step scalar
 PART_SOURCE = ("measured: saved-tensor hooks, each new storage counted for the innermost running module that "
                "names a part (kernels/activation_parts.py); outside the model = the loss")
 
@@ -108,6 +109,11 @@ def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _optimizer(record: dict[str, Any]) -> str:
+    """The run's optimizer; records saved before it was recorded were all AdamW."""
+    return record.get("optimizer", "adamw")
+
+
 def _stage(record: dict[str, Any]) -> int:
     return {"zero1": 1, "fsdp": int(record["zero"])}.get(record["strategy"], 0)
 
@@ -122,7 +128,8 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
         owned = [table[i] for i in mine]
     else:
         owned = table
-    opt = sum(p["local"] * ADAM_K + STEP_BYTES for p in owned)
+    name = _optimizer(record)
+    opt = sum(p["local"] * OPTIMIZER_K[name] + STEP_BYTES[name] for p in owned)
     peak_params = whole_params if stage == 2 else rest_params
     # ZeRO-2 with gradient accumulation (no pp): FSDP2 keeps the earlier micro-batches' gradients
     # unsharded (whole) until the last one reduce-scatters them, beside the sharded buffers.
@@ -133,11 +140,11 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def formula_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """The ZeRO formula of docs/design.md#zero-formulas in fp32 (4, 4, K=8), Ψ = all parameters / tp, N = dp."""
-    dims, stage = record["dims"], _stage(record)
+    """The ZeRO formula of docs/design.md#zero-formulas in fp32 (4, 4, K), Ψ = all parameters / tp, N = dp."""
+    dims, stage, k = record["dims"], _stage(record), OPTIMIZER_K[_optimizer(record)]
     psi = sum(math.prod(i["global_shape"]) for i in record["params"].values()) / dims["tp"]
-    peak = zero_memory(psi, dims["dp"], stage, 4, 4, ADAM_K)
-    rest = zero_memory(psi, dims["dp"], 3 if stage == 2 else stage, 4, 4, ADAM_K)  # ZeRO-2 reshards after backward
+    peak = zero_memory(psi, dims["dp"], stage, 4, 4, k)
+    rest = zero_memory(psi, dims["dp"], 3 if stage == 2 else stage, 4, 4, k)  # ZeRO-2 reshards after backward
     rest = (rest[0], peak[1], peak[2])
     keys = ("params", "grads", "optimizer")
     return {"at_rest": dict(zip(keys, rest)), "peak_fwd_bwd": dict(zip(keys, peak))}
@@ -145,7 +152,7 @@ def formula_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def _memory_note(record: dict[str, Any], category: str) -> str:
     notes = []
-    if category == "optimizer":
+    if category == "optimizer" and _optimizer(record) == "adamw":
         notes.append("includes AdamW's 4-byte step scalar per tensor (not in the formula)")
         if record["strategy"] == "zero1":
             notes.append("ZeroRedundancyOptimizer partitions whole tensors greedily (not exactly Ψ/N)")
@@ -221,7 +228,7 @@ def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, flo
 
 
 def _planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
-    """The planner's StagePlan for this rank's pipeline rank (fp32 AdamW, the run's batch and layout)."""
+    """The planner's StagePlan for this rank's pipeline rank (fp32, the run's optimizer, batch and layout)."""
     dims = record["dims"]
     parallel = {**dims, "zero": int(record["zero"]), "schedule": cfg.get("schedule", "1f1b"),
                 "microbatches": record.get("microbatches", 1)}
@@ -231,7 +238,7 @@ def _planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
         if cfg.get(flag):
             parallel[flag] = True
     p = plan(cfg.get("model", {}), gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel,
-             global_batch=int(cfg.get("global_batch", 8)), dtype="fp32", optimizer="adam")
+             global_batch=int(cfg.get("global_batch", 8)), dtype="fp32", optimizer=_optimizer(record))
     return p.stages[record["coords"]["pp"]]
 
 

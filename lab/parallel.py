@@ -55,7 +55,7 @@ RULES = {
     "data-vocab": "vocab must be at least 4: the synthetic data gives every token 4 distinct successors",
     "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
     "synthetic-cost": "synthetic_forward_s is a finite number of seconds > 0, and needs trace=True",
-    "optimizer": "the optimizer must be one of lab.experiment.OPTIMIZERS",
+    "optimizer": "the optimizer must be one of kernels.config_rules.OPTIMIZERS: adamw or sgd",
     "argument-types": "an Experiment's model is a lab.GPT and its parallel a lab.Parallel",
     "model-seed": "the Experiment's seed fixes the weights: lab.GPT's seed must be left at 0 or equal it",
     "checkpoint": "checkpoint_dir and resume_from are path strings, checkpoint_every an int >= 1; checkpoint_every "

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kernels.config_rules import ConfigError, Problem, is_int
+from kernels.config_rules import ConfigError, Problem, is_int, optimizer_problems
 from kernels.model import GPTConfig
 from kernels.parameter_server import MODES
 from kernels.ps_rpc import open_rpc_store
@@ -37,7 +37,6 @@ from lab.parallel import ParallelConfigError
 from lab.ps_handle import PSHandle
 from lab.ps_result import PSResult
 
-OPTIMIZERS = ("adamw", "sgd")
 
 
 class ParameterServer:
@@ -73,8 +72,7 @@ class ParameterServer:
                         f"got {self.max_staleness!r}"))
         if self.mode != "bounded" and self.max_staleness is not None:
             out.append(("ps-max-staleness", f"max_staleness is only for mode='bounded' (mode is {self.mode!r})"))
-        if self.optimizer not in OPTIMIZERS:
-            out.append(("optimizer", f"optimizer {self.optimizer!r} is not supported; choose one of {OPTIMIZERS}"))
+        out += optimizer_problems(self.optimizer)
         if out:
             return out
         if self.model.seed not in (0, self.seed):
@@ -99,13 +97,13 @@ class ParameterServer:
         """The model, data and optimizer hyper-parameters, as data parallel over the workers would train them."""
         model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
         return RunConfig(model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
-                         dp=self.workers)
+                         optimizer=self.optimizer, dp=self.workers)
 
     def rank_config(self, port: int) -> dict[str, Any]:
         """The plain dict every rank receives: the run, the roles, the mode, the faults and the RPC rendezvous."""
         bind = listen_addresses(self.cluster.rank_map)
         return {"run": self.run_config().to_dict(), "servers": self.servers, "mode": self.mode,
-                "max_staleness": self.max_staleness, "optimizer": self.optimizer, "faults": list(fault_dicts(self.faults)),
+                "max_staleness": self.max_staleness, "faults": list(fault_dicts(self.faults)),
                 "rpc": {"master_addr": bind[0], "port": port, "bind_addrs": bind,
                         "timeout_s": self.cluster._collective_timeout}}
 
@@ -120,7 +118,6 @@ class ParameterServer:
 
     def start(self, *, timeout: float | None = None) -> PSHandle:
         """Start the run and return at once: the handle's ``wait()`` gives the ``PSResult``, ``stop()`` ends it early."""
-
         return PSHandle(self, timeout=timeout)
 
     def _result(self, per_rank: list[dict[str, Any]], wall_s: float) -> PSResult:
@@ -137,9 +134,7 @@ class ParameterServer:
                         warnings=notes, faults=list(fault_dicts(self.faults)), ps=ps)
 
     def reference(self) -> PSResult:
-        """The same training in one process (AdamW only): what ``sync`` mode must reproduce."""
-        if self.optimizer != "adamw":
-            raise ValueError("the one-process reference trains with AdamW only (kernels.reference)")
+        """The same training in one process, with the same optimizer: what ``sync`` mode must reproduce."""
         out = train_reference(self.run_config())
         return PSResult(config=self.run_config().to_dict(), losses=list(out["losses"]),
                         step_times=[[]], layout=[{"rank": 0, "strategy": "reference"}],

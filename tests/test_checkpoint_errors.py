@@ -91,6 +91,9 @@ def test_a_missing_checkpoint_names_the_path_and_what_is_missing(cluster, saved,
         _experiment(cluster, deeper, steps=4, resume_from=root).run()
     with pytest.raises(lab.ParallelConfigError, match=r"\[checkpoint\].*at step 2 and steps=2"):
         _experiment(cluster, steps=2, resume_from=root).run()
+    with pytest.raises(lab.ParallelConfigError, match=r"\[checkpoint\].*holds adamw's state and this run's "
+                                                      r"optimizer is sgd"):
+        _experiment(cluster, steps=4, optimizer="sgd", resume_from=root).run()
 
 
 def test_a_layout_invalid_for_the_model_names_its_rule(cluster, saved):

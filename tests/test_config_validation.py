@@ -23,6 +23,7 @@ from kernels import config_rules, layout_rules
 from kernels.config_rules import ConfigError
 from kernels.data import _BRANCH_WEIGHTS, dataset
 from kernels.model import GPT, model_config
+from kernels.optimizer import build_optimizer
 from kernels.run_config import RunConfig
 from kernels.synthetic import SyntheticCost
 from kernels.train import dims_and_strategy
@@ -189,7 +190,7 @@ def _assert_the_ranks_would_accept(exp: lab.Experiment) -> None:
                 assert len(layout_rules.layer_split(model_config(run).layers, num_stages, stage)) >= 1
     if run.synthetic_forward_s is not None:
         SyntheticCost(run.synthetic_forward_s, run.stages_per_rank)
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], **run.adamw_kwargs())
+    build_optimizer([torch.nn.Parameter(torch.zeros(1))], run)
 
 
 @settings(max_examples=400, deadline=None)

@@ -87,6 +87,10 @@ LAYOUTS = {
     "tp2-fsdp2-zero3-sp": ({"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True}, FP32),
     "tp2-fsdp2-zero3-ac": ({"dp": 2, "tp": 2, "zero": 3, "activation_checkpointing": True}, FP32),
     "zero3-dp4-cpu-offload": ({"dp": 4, "zero": 3, "cpu_offload": True}, FP32),
+    # Plain SGD (optimizer="sgd"): no optimizer state, so ZeRO-1 only splits the update.
+    "ddp4-sgd": ({"dp": 4, "optimizer": "sgd"}, FP32),
+    "zero1-dp4-sgd": ({"dp": 4, "zero": 1, "optimizer": "sgd"}, FP32),
+    "tp2-fsdp2-zero3-sgd": ({"dp": 2, "tp": 2, "zero": 3, "optimizer": "sgd"}, FP32),
     "zero3-dp4-bf16": ({"dp": 4, "zero": 3, "mixed_precision": "bf16"}, BF16),
     # bf16 without FSDP2: torch.autocast around forward, on the ranks and in the reference.
     "single-bf16-autocast": ({"world_size": 1, "mixed_precision": "bf16"}, BF16),

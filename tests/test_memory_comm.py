@@ -4,7 +4,7 @@ On the 4-rank gloo pool, the tiny GPT (2 layers, d_model 32, 4 heads, vocab 64,
 seq_len 16, d_ff 64: Ψ = 21,760 fp32 parameters in 37 tensors), global batch 8, 3
 AdamW steps with the probes on the last one (``kernels.measure.measure_rank``).
 
-What the formulas are, for the dtypes held (fp32: params 4Ψ, grads 4Ψ, AdamW K=8):
+What the formulas are, for the dtypes held (fp32: params 4Ψ, grads 4Ψ, AdamW K=8, plain SGD K=0):
 
 - Every dim 0 of this model (64, 16, 32) divides by 4, so FSDP2's padding (ceil(d/N)
   rows per rank) is zero here and the shards are exactly Ψ/4; the padding rule itself
@@ -29,7 +29,7 @@ TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_f
 BASE = {"model": TINY, "global_batch": 8, "steps": 3, "lr": 1e-2, "seed": 0}
 PSI = 21760
 LAYOUTS = {"ddp": {"dp": 4}, "zero1": {"dp": 4, "zero": 1}, "zero2": {"dp": 4, "zero": 2},
-           "zero3": {"dp": 4, "zero": 3}}
+           "zero3": {"dp": 4, "zero": 3}, "zero1-sgd": {"dp": 4, "zero": 1, "optimizer": "sgd"}}
 MODEL_STATES = ("params", "grads", "optimizer")
 
 
@@ -88,6 +88,13 @@ def test_zero1_partitions_whole_optimizer_state_once_over_the_ranks(measured):
     owned = [set(rec["optimizer_params"]) for rec in out["ranks"]]
     assert set().union(*owned) == set(out["ranks"][0]["params"]) and sum(map(len, owned)) == 37
     assert max(per_rank) > 8 * PSI / 4 * 1.01  # the greedy partition is not Ψ/N: explained above
+
+
+def test_zero1_with_sgd_holds_no_optimizer_state_and_still_splits_the_update(measured):
+    out = measured("zero1-sgd")
+    assert [_by(out["memory"], r, "at_rest")["optimizer"].measured for r in range(4)] == [0] * 4
+    owned = [set(rec["optimizer_params"]) for rec in out["ranks"]]
+    assert set().union(*owned) == set(out["ranks"][0]["params"]) and sum(map(len, owned)) == 37
 
 
 def test_fsdp_shard_rule_pads_dim0_to_a_multiple_of_world():

@@ -31,6 +31,16 @@ def test_sync_ps_equals_reference_and_ddp(cluster, ddp, servers):
     assert all(w["pulls"] == w["pushes"] == RUN["steps"] * servers for w in workers)
 
 
+def test_sync_ps_with_sgd_equals_the_sgd_reference_and_ddp(cluster):
+    ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode="sync", optimizer="sgd", **RUN)
+    result, reference = ps.run(timeout=120), ps.reference()
+    ddp = lab.Experiment(cluster, lab.GPT(**TINY), lab.Parallel(dp=4), optimizer="sgd", **RUN).run(progress=False)
+    assert result.matches(reference, rtol=1e-4), result.loss_table(reference)
+    assert result.matches(ddp, rtol=1e-4), result.loss_table(ddp)
+    adamw = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode="sync", **RUN).reference()
+    assert reference.losses[-1] != pytest.approx(adamw.losses[-1], rel=1e-3)  # it did train with another optimizer
+
+
 @pytest.mark.parametrize("servers", [1, 2])
 def test_server_bytes_equal_formula(cluster, servers):
     result = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=servers, **RUN).run(timeout=120)

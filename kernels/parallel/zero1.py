@@ -3,7 +3,8 @@
 Algorithm: ZeRO stage 1 (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models", SC20). Parameters and gradients stay
 whole on every dp rank (as in DDP); the AdamW state (exp_avg, exp_avg_sq: K=8 bytes
-per fp32 parameter here) is partitioned, so each rank keeps about 1/dp of it:
+per fp32 parameter here) is partitioned, so each rank keeps about 1/dp of it (plain
+SGD has no state, so ZeRO-1 only splits the update work):
 
 - backward: DDP all_reduces the gradients over the dp group (every rank gets the
   full averaged gradient, but only uses its own partition's);
@@ -28,8 +29,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 
-def build_zero1_optimizer(model: nn.Module, dp_mesh: DeviceMesh, **adamw: Any) -> ZeroRedundancyOptimizer:
-    """An AdamW whose state is sharded over the 1D ``dp_mesh``; ``adamw`` are AdamW's keyword args.
+def build_zero1_optimizer(model: nn.Module, dp_mesh: DeviceMesh,
+                          optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                          **settings: Any) -> ZeroRedundancyOptimizer:
+    """An ``optimizer_class`` (AdamW by default) whose state is sharded over the 1D ``dp_mesh``;
+    ``settings`` are its keyword args.
 
     ZeroRedundancyOptimizer partitions plain tensors only, so ``model`` must not hold
     DTensors (no TP); gradients must already be averaged over dp (DDP, or by hand in a pipeline).
@@ -37,11 +41,15 @@ def build_zero1_optimizer(model: nn.Module, dp_mesh: DeviceMesh, **adamw: Any) -
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: "
                          "use zero 2/3 with tp > 1")
-    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                   process_group=dp_mesh.get_group(), parameters_as_bucket_view=False, **adamw)
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
+                                   process_group=dp_mesh.get_group(), parameters_as_bucket_view=False, **settings)
 
 
 def owned_parameters(optimizer: ZeroRedundancyOptimizer, model: nn.Module) -> list[str]:
-    """Names of the parameters whose optimizer state this rank holds (after a step)."""
-    local = optimizer.optim.state  # the wrapped per-rank AdamW: state for its partition only
-    return [name for name, p in model.named_parameters() if p in local]
+    """Names of the parameters this rank's partition holds: it keeps their optimizer state and steps them.
+
+    Read from the wrapped per-rank optimizer's parameter groups, not its state: plain SGD
+    keeps no state, and yet each rank still updates only its partition.
+    """
+    local = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
+    return [name for name, p in model.named_parameters() if id(p) in local]
