@@ -15,6 +15,7 @@ table shows every step so far beside one process trained as long. Unticking it f
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import time
@@ -78,8 +79,12 @@ class Controls:
                              "to run again (the views below show the last run)</span>")
 
     def parallel(self) -> Parallel:
-        """The layout the controls show now (raises ParallelConfigError if it breaks a rule)."""
-        return Parallel(**{name: field.value for name, field in self.fields.items()})
+        """The layout the controls show now (raises ParallelConfigError if it breaks a rule).
+
+        The fields without a control (loss_parallel, mixed_precision, the FSDP strategy, the
+        mesh order, ...) stay as the experiment's layout has them.
+        """
+        return dataclasses.replace(self.exp.parallel, **{name: field.value for name, field in self.fields.items()})
 
     def validate(self) -> list[str]:
         """Check the shown layout; explain broken rules inline and enable Run only when valid."""

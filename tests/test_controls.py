@@ -17,6 +17,16 @@ def test_broken_rules_are_named_inline_and_block_run(cluster):
     assert not controls.button.disabled and "cl-invalid" not in controls.explanation.value
 
 
+def test_the_layout_fields_without_a_control_are_kept(cluster):
+    order = ("pp", "tp", "dp")
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=2, tp=2, loss_parallel=True, mesh_order=order),
+                         global_batch=8, steps=2)
+    controls = Controls(exp)
+    controls.fields["zero"].value = 3
+    shown = controls.parallel()
+    assert (shown.zero, shown.loss_parallel, shown.mesh_order) == (3, True, order)
+
+
 def test_run_trains_the_new_layout_on_the_warm_pool_and_updates_views(cluster):
     pids = [r.pid for r in cluster.rank_map.ranks]
     controls = Controls(lab.Experiment(cluster, TINY, lab.Parallel(dp=4), global_batch=8, steps=2))
