@@ -257,9 +257,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     model_sd, optim_sd, back = logical_state(model, optimizer)
     settings = _settings_of(optim_sd)
     optim_sd = {k: v for k, v in optim_sd.items() if k not in settings}
-    check_against(path, _expected_shapes(model_sd, "model"))
-    stored = tensor_shapes(path)
-    if optimizer is not None and not any(k.startswith("optim.") for k in stored):
+    stored = tensor_shapes(path)  # DCP's metadata file, read once per load
+    check_against(path, _expected_shapes(model_sd, "model"), stored=stored)
+    # Plain SGD saves no "optim." state, only its settings: a checkpoint without both is weights only.
+    if optimizer is not None and not any(k.startswith(("optim.", f"{SHARED_SETTINGS}.")) for k in stored):
         raise CheckpointMissingError(f"checkpoint {path} holds no optimizer state (weights only)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}

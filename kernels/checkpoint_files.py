@@ -101,13 +101,15 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:
             for key, m in metadata.state_dict_metadata.items()}
 
 
-def check_against(path: str | os.PathLike, expected: dict[str, tuple[int, ...]], *, what: str = "model") -> None:
+def check_against(path: str | os.PathLike, expected: dict[str, tuple[int, ...]], *, what: str = "model",
+                  stored: dict[str, tuple[int, ...] | None] | None = None) -> None:
     """Raise when the checkpoint lacks a key of ``expected`` (``{flattened key: shape}``) or stores another shape.
 
     Shapes are checked first, so a checkpoint of another model names its mismatched
-    tensors rather than whichever key happens to be missing.
+    tensors rather than whichever key happens to be missing. ``stored``: the checkpoint's
+    ``tensor_shapes``, when the caller has read them already.
     """
-    stored = tensor_shapes(path)
+    stored = tensor_shapes(path) if stored is None else stored
     wrong = [f"{key}: checkpoint {list(stored[key])}, {what} {list(shape)}"
              for key, shape in expected.items() if key in stored and stored[key] is not None
              and tuple(stored[key]) != tuple(shape)]

@@ -1,6 +1,6 @@
 """Training saved under one layout goes on under another exactly where it stopped.
 
-Each case trains 4 AdamW steps under layout A with ``checkpoint_every=2`` (the
+Each case trains 4 AdamW steps (one case plain SGD) under layout A with ``checkpoint_every=2`` (the
 uninterrupted run, saving at step 2), then resumes from step 2 under layout B for steps
 3-4. B's losses and final gathered parameters must match A's at the layout parity
 matrix's bounds (``tests.test_layout_parity``: losses rtol 1e-4, parameters atol 1e-5 or,
@@ -142,3 +142,17 @@ def test_an_asynchronous_save_resumes_bit_for_bit_too(request, saved, tmp_path):
     resumed = _experiment(pool, "zero3-dp4", resume_from=_step_two(root)).run(return_params=True)
     assert resumed.losses == whole.losses[SAVED_AT:]
     assert resumed.params == whole.params
+
+
+def test_plain_sgd_resumes_under_another_layout_and_bit_for_bit_under_its_own(request, tmp_path):
+    pool = request.getfixturevalue("cluster")
+    root = str(tmp_path / "sgd")
+    whole = _experiment(pool, "zero1-dp4", optimizer="sgd", checkpoint_dir=root,
+                        checkpoint_every=SAVED_AT).run(return_params=True)
+    again = _experiment(pool, "zero1-dp4", optimizer="sgd", resume_from=_step_two(root)).run(return_params=True)
+    assert again.losses == whole.losses[SAVED_AT:] and again.params == whole.params
+    moved = _experiment(pool, "tp2-dp2-zero3", optimizer="sgd", resume_from=_step_two(root)).run(return_params=True)
+    assert moved.losses == pytest.approx(whole.losses[SAVED_AT:], rel=1e-4)
+    expected, init = _gathered(whole), _init()
+    for rank, params in moved.params.items():
+        _check_params(rank, params, expected, FP32, init)
