@@ -17,6 +17,9 @@ the server then answers every held push with the reason, so no worker waits for 
 failed one, and its own main thread raises too. Every wait polls in short sleeps, so
 when a rank dies outright the lab's interrupt ends the others' waits.
 
+Each rank publishes what it is doing (``kernels.ps_watch``), so a run that stops moving
+is diagnosed as a training run is (``lab.HangError`` after ``hang_after``).
+
 Records per rank (``kernels.records``): a worker's losses, pulls, pushes, bytes, time
 waiting and computing, staleness and timeline events; a server's load.
 
@@ -38,7 +41,9 @@ from kernels import progress, ps_rpc, runtime
 from kernels.batches import BatchStream
 from kernels.data import dataset
 from kernels.model import build_gpt, loss_fn, model_config
+from kernels.collective_log import CollectiveLog
 from kernels.parameter_server import ShardServer, split_by_bytes
+from kernels.ps_watch import PUSH_GROUP, logged_barrier, ps_watch
 from kernels.records import PSSpan
 from kernels.run_config import RunConfig
 
@@ -90,9 +95,11 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             named = dict(model.named_parameters())
             _local_server = ShardServer(rank, {n: named[n] for n in shards[rank]}, run, cfg["mode"],
                                         list(range(servers, world)), cfg["max_staleness"])
-        dist.barrier()  # every shard exists before any worker asks for one
-        out = _serve(_local_server) if rank < servers else _work(run, model, shards, cfg, rank, servers)
-        dist.barrier()  # every call has been answered on every rank: nothing is in flight
+        with ps_watch(rank, fault_kinds.faults_for(cfg["faults"], rank)) as log:
+            dist.barrier()  # every shard exists before any worker asks for one
+            out = _serve(_local_server, log) if rank < servers else _work(run, model, shards, cfg, rank, servers, log)
+            logged_barrier(log)  # every call has been answered on every rank: nothing is in flight
+            log.finish()
         ps_rpc.stop_rpc(graceful=False)  # see ps_rpc.stop_rpc: RPC's own graceful stop cannot follow a replaced engine
         return {**out, "shards": shards}
     except BaseException as error:
@@ -122,19 +129,32 @@ def _tell_servers(servers: int, rank: int, error: BaseException) -> None:
             pass
 
 
-def _serve(server: ShardServer) -> dict[str, Any]:
+def _serve(server: ShardServer, log: CollectiveLog) -> dict[str, Any]:
     """The main thread waits until every worker is done; TensorPipe's threads do the serving meanwhile.
 
     Server 0 alone takes a stop request (``kernels.progress.STOP_SIGNAL``, sent by
     ``lab.ps_handle.PSHandle.stop``): the workers read it in its pull replies.
     """
-    server.wait_done(progress.stop_asked if server.rank == 0 else lambda: False)
+    stop_asked = progress.stop_asked if server.rank == 0 else (lambda: False)
+    shown: list[int] | None = None
+
+    def poll() -> bool:  # on this main thread, between waits: the log has one writer
+        nonlocal shown
+        with server.lock:  # workers finish on RPC threads
+            training = sorted(set(server.workers) - server.finished)
+        if training != shown:
+            shown = training
+            log.act(f"serving {len(server.params)} parameters; "
+                    + (f"workers {training} still training" if training else "every worker finished"))
+        return stop_asked()
+
+    server.wait_done(poll)
     return {"role": "server", "rank": server.rank, **server.record()}
 
 
 def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: dict[str, Any], rank: int,
-          servers: int) -> dict[str, Any]:
-    """Pull, compute, push for every step; then tell the servers this worker is done."""
+          servers: int, log: CollectiveLog) -> dict[str, Any]:
+    """Pull, compute, push for every step (each published to ``log``); then tell the servers this worker is done."""
     workers = dist.get_world_size() - servers
     device = runtime.rank_device()
     mine = fault_kinds.faults_for(cfg["faults"], rank)
@@ -145,9 +165,12 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
     losses, staleness, events, notes = [], [], [], []
     batches = BatchStream(dataset(run), steps=run.steps, global_batch=run.global_batch, dp_rank=rank - servers,
                           dp=workers, device=device)
+    every_worker = tuple(range(servers, dist.get_world_size()))
     for step, (inputs, targets) in enumerate(batches):
+        log.begin_step(step)
         for fault in mine:
-            fault_kinds.strike(fault, step, notes.append)
+            fault_kinds.strike(fault, step, lambda text: (notes.append(text), log.note_fault(text)))
+        log.act(f"pull, step {step}")
         began = time.time()
         reads = [rpc.rpc_async(name, pull_shard, args=(rank, step)) for name in names]
         versions, stop = [], False
@@ -163,14 +186,16 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
         if stop:
             break
         pulled = time.time()
+        log.act(f"compute, step {step}")
         loss = _gradients(model, inputs, targets, pacing)
         computed = time.time()
-        replies = []
-        for s, name in enumerate(names):
-            grads = {n: params[n].grad for n in shards[s]}
-            stats["bytes_sent"] += sum(g.numel() * g.element_size() for g in grads.values())
-            replies.append(rpc.rpc_async(name, push_shard, args=(rank, versions[s], grads)))
+        grads = [{n: params[n].grad for n in shard} for shard in shards]
+        nbytes = sum(g.numel() * g.element_size() for shard in grads for g in shard.values())
+        stats["bytes_sent"] += nbytes
+        token = log.enter("push", PUSH_GROUP, every_worker, nbytes)
+        replies = [rpc.rpc_async(name, push_shard, args=(rank, versions[s], grads[s])) for s, name in enumerate(names)]
         after = [ps_rpc.wait(future) for future in replies]
+        log.leave(token)
         stats["pushes"] += servers
         model.zero_grad(set_to_none=True)
         pushed = time.time()
@@ -182,6 +207,7 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
         losses.append(loss)
     for call in [rpc.rpc_async(name, finish_shard, args=(rank,)) for name in names]:
         ps_rpc.wait(call)
+    log.act(f"finished after {len(losses)} steps")
     return {"role": "worker", "rank": rank, "losses": losses, "staleness": staleness, "events": events,
             "notes": notes, **stats}
 

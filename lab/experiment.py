@@ -59,7 +59,7 @@ from kernels.train import train_rank
 from lab.checkpointing import check_resume, directory_problems, resume_path
 from lab import run_logs, run_views
 from lab.cluster import Cluster
-from lab.faults import fault_dicts, fault_problems
+from lab.faults import fault_dicts, fault_problems, hang_after_problems
 from lab.hang_report import HangWatch
 from lab.measure import comm_records, memory_records
 from lab.parallel import Parallel, ParallelConfigError
@@ -113,8 +113,7 @@ class Experiment:
             out += error.problems
         out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
         out += fault_problems(self.faults, self.cluster.world_size, self.steps)
-        if self.hang_after is not None and not (isinstance(self.hang_after, (int, float)) and self.hang_after > 0):
-            out.append(("hang-after", f"hang_after must be a number of seconds > 0, got {self.hang_after!r}"))
+        out += hang_after_problems(self.hang_after)
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:

@@ -47,6 +47,9 @@ class FailureReporter:
         late = {r: (frame_view.collective_of(f) if f else None) for r, f in at_deadline.items()}
         if report is not None:  # a rank blocked in C++ (DDP's reducer) has no dist frame; its log says where
             late.update({r: report.rank(r).collective for r, c in late.items() if c is None and report.rank(r).op})
+        if report is not None and report.never_arrived:  # the report's verdict: the others were held up by these
+            late.update({r: report.rank(r).action for r, c in late.items()
+                         if c is None and r not in report.never_arrived and report.rank(r).action})
         where = {r: frame_view.render(frame_view.user_frame(f)) for r, f in {**raised, **at_deadline}.items() if f}
         stacks = {r: frame_view.plain_traceback(f) for r, f in at_deadline.items() if f}
         late_ranks, skipped = _culprits(late, skipped)

@@ -95,5 +95,13 @@ def fault_problems(faults: Any, world_size: int, steps: Any) -> list[Problem]:
     return out
 
 
+def hang_after_problems(hang_after: Any) -> list[Problem]:
+    """[hang-after]: None, or a finite number of seconds > 0 (a bool is not one)."""
+    if hang_after is None or (isinstance(hang_after, (int, float)) and not isinstance(hang_after, bool)
+                              and math.isfinite(hang_after) and hang_after > 0):
+        return []
+    return [("hang-after", f"hang_after must be None or a number of seconds > 0, got {hang_after!r}")]
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

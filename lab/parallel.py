@@ -61,6 +61,14 @@ RULES = {
     "checkpoint": "checkpoint_dir and resume_from are path strings, checkpoint_every an int >= 1; checkpoint_every "
                   "and checkpoint_async need checkpoint_dir; a resume needs steps beyond the checkpoint's step",
     "checkpoint-dir": "checkpoint_dir must be a directory this process can create and write into",
+    "faults": "faults is a list of lab.Slow/Hang/Crash/Kill on ranks of the pool, at steps the run takes",
+    "hang-after": "hang_after is None or a number of seconds > 0",
+    "log-to": "log_to is 'tensorboard:DIR' or 'wandb', with that package installed",
+    # A parameter server's arguments (lab.ParameterServer).
+    "ps-servers": "servers is an int from 1 to world_size-1: at least one rank must be a worker",
+    "ps-mode": "mode is 'sync', 'async' or 'bounded'",
+    "ps-max-staleness": "max_staleness is an int >= 0 for mode 'bounded', and None otherwise",
+    "ps-faults": "faults act on workers, not on server ranks",
     # The layout, and the layout against the model and the world.
     "world-size": "dp * tp * pp must equal the world size",
     "tp-heads": "the number of heads must be divisible by tp",

@@ -13,7 +13,9 @@ The run trains the same model, on the same data and with the same optimizer math
 its losses equal the one-process ``reference()`` and DDP's. ``async`` and ``bounded``
 (``max_staleness=s``) trade that equality for not waiting (``kernels.parameter_server``).
 ``faults=[lab.Slow(rank, factor)]`` makes a worker a straggler; Crash/Hang/Kill act as in
-an Experiment, on workers. ``start()`` runs it in the background (``lab.ps_handle``):
+an Experiment, on workers. ``hang_after=s`` raises ``lab.HangError`` once no rank has moved
+for s seconds, with a ``HangReport`` that names the workers waiting in their push and the
+one that never pushed (``kernels.ps_watch``); a timeout or an interrupt carries the same report. ``start()`` runs it in the background (``lab.ps_handle``):
 ``stop()`` ends it after the step under way, and the result holds the steps that ran.
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ from kernels.reference import train_reference
 from kernels.run_config import RunConfig
 from lab.cluster import Cluster
 from lab.cluster_world import listen_addresses
-from lab.faults import fault_dicts, fault_problems
+from lab.faults import fault_dicts, fault_problems, hang_after_problems
+from lab.hang_report import HangWatch
 from lab.parallel import ParallelConfigError
 from lab.ps_handle import PSHandle
 from lab.ps_result import PSResult
@@ -44,10 +47,11 @@ class ParameterServer:
 
     def __init__(self, cluster: Cluster, model: GPTConfig, *, servers: int = 1, mode: str = "sync",
                  max_staleness: int | None = None, global_batch: int = 12, steps: int = 3, lr: float = 1e-2,
-                 optimizer: str = "adamw", seed: int = 0, faults: Sequence[Any] = ()) -> None:
+                 optimizer: str = "adamw", seed: int = 0, faults: Sequence[Any] = (),
+                 hang_after: float | None = None) -> None:
         self.cluster, self.model, self.servers, self.mode = cluster, model, servers, mode
         self.max_staleness, self.global_batch, self.steps, self.lr = max_staleness, global_batch, steps, lr
-        self.optimizer, self.seed, self.faults = optimizer, seed, faults
+        self.optimizer, self.seed, self.faults, self.hang_after = optimizer, seed, faults, hang_after
         problems = self._problems()
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
@@ -72,7 +76,7 @@ class ParameterServer:
                         f"got {self.max_staleness!r}"))
         if self.mode != "bounded" and self.max_staleness is not None:
             out.append(("ps-max-staleness", f"max_staleness is only for mode='bounded' (mode is {self.mode!r})"))
-        out += optimizer_problems(self.optimizer)
+        out += optimizer_problems(self.optimizer) + hang_after_problems(self.hang_after)
         if out:
             return out
         if self.model.seed not in (0, self.seed):
@@ -108,12 +112,14 @@ class ParameterServer:
                         "timeout_s": self.cluster._collective_timeout}}
 
     def run(self, *, timeout: float | None = None) -> PSResult:
-        """Train on every rank; raises ``lab.RankError`` naming the rank that failed."""
+        """Train on every rank; raises ``lab.RankError`` naming the rank that failed, ``lab.HangError`` after
+        ``hang_after`` seconds without progress."""
         bind = listen_addresses(self.cluster.rank_map)
         port = self.cluster.run(open_rpc_store, bind[0], self.cluster.world_size, self.cluster._timeout,
                                 ranks=[0])[0]
         began = time.time()
-        per_rank = self.cluster.run(ps_rank, self.rank_config(port), timeout=timeout)
+        per_rank = self.cluster.run(ps_rank, self.rank_config(port), timeout=timeout,
+                                    hang_watch=HangWatch(self.cluster, self.hang_after))
         return self._result(per_rank, time.time() - began)
 
     def start(self, *, timeout: float | None = None) -> PSHandle:

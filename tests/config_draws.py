@@ -48,6 +48,7 @@ ODD = {
     **{("experiment", name): ODD_FLAGS + [True] for name in ("trace", "measure")},
     ("experiment", "compile"): ODD_FLAGS,  # compile=True runs (slowly): it has its own tests
     ("experiment", "synthetic_forward_s"): [0, -1.0, math.nan, "1", 0.01],
+    ("experiment", "hang_after"): [0, -1.0, math.nan, math.inf, True, "3", 30.0],
 }
 
 

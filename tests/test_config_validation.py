@@ -28,6 +28,7 @@ from kernels.run_config import RunConfig
 from kernels.synthetic import SyntheticCost
 from kernels.train import dims_and_strategy
 from lab.parallel import RULES
+from lab.run_logs import open_loggers
 from tests.config_draws import WORLD, RecordingPool, any_config, build, runnable_config
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16}
@@ -78,6 +79,10 @@ REFUSALS = {
     "synthetic-cost-without-trace": ({}, {"dp": 2, "pp": 2}, {"synthetic_forward_s": 0.01}, "synthetic-cost"),
     "synthetic-cost-nan": ({}, {"dp": 2, "pp": 2}, {"trace": True, "synthetic_forward_s": math.nan}, "synthetic-cost"),
     "optimizer-unknown": ({}, {"dp": 4}, {"optimizer": "lion"}, "optimizer"),
+    "hang-after-bool": ({}, {"dp": 4}, {"hang_after": True}, "hang-after"),
+    "hang-after-zero": ({}, {"dp": 4}, {"hang_after": 0}, "hang-after"),
+    "faults-not-a-list": ({}, {"dp": 4}, {"faults": lab.Hang(1, 0)}, "faults"),
+    "faults-rank-outside-the-pool": ({}, {"dp": 4}, {"faults": [lab.Hang(4, 0)]}, "faults"),
     "loss-parallel-pipeline": ({}, {"tp": 2, "pp": 2, "loss_parallel": True}, {}, "loss-parallel-pp"),
     "seq-len-tp-without-sequence-parallel": ({"seq_len": 18}, {"tp": 4}, {}, "tp-seq-len"),
     # found by the drawn configs below: these train, with wrong gradients
@@ -102,6 +107,15 @@ DIRECT_REFUSALS = {
     "rank-config-unknown-schedule": (lambda pool: RunConfig(schedule="pipedream"), "unknown-schedule"),
     "rank-config-data-seed": (lambda pool: RunConfig(data_seed=2.0), "seed"),
     "rank-config-mesh-order": (lambda pool: RunConfig(mesh_order=("pp", "tp", "tp")), "mesh-order"),
+    "log-to-unknown": (lambda pool: open_loggers("csv:run.csv", {}, 4), "log-to"),
+    "ps-servers-no-worker": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), servers=4), "ps-servers"),
+    "ps-mode-unknown": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), mode="hogwild"), "ps-mode"),
+    "ps-max-staleness-without-bounded": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), mode="async",
+                                                                          max_staleness=1), "ps-max-staleness"),
+    "ps-fault-on-a-server": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), faults=[lab.Slow(0, 2.0)]),
+                             "ps-faults"),
+    "ps-hang-after-negative": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), hang_after=-1.0),
+                               "hang-after"),
     "checkpoint-every-without-dir": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),
                                                                  checkpoint_every=2), "checkpoint"),
     "checkpoint-dir-under-a-file": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),

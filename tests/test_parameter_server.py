@@ -7,6 +7,7 @@ import pytest
 
 import lab
 from kernels.parameter_server import split_by_bytes
+from lab.parallel import RULES
 from lab.ps_result import server_bytes_per_step
 
 TINY = dict(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
@@ -91,11 +92,36 @@ def test_a_worker_that_raises_is_named_and_the_pool_runs_on(cluster):
     assert after.matches(again, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_hung_worker_is_named_in_a_hang_report_and_the_pool_runs_on(cluster, mode):
+    ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode=mode, faults=[lab.Hang(3, at_step=1)],
+                             hang_after=3.0, **RUN)
+    with pytest.raises(lab.HangError) as caught:
+        ps.run(timeout=120)  # hang_after ends it long before the timeout would
+    report = caught.value.report
+    assert report.rank(3).faults == ("Hang(rank=3, at_step=1) struck at step 1",)
+    assert "rank 3 never entered it (last seen in step 1 begins)" in report.findings[0]
+    if mode == "sync":  # the others wait in the push the server answers once every worker has pushed
+        assert report.never_arrived == (3,), str(report)
+        assert report.findings[0].startswith("ranks 1, 2 wait in push #2 of group workers=[1,2,3]"), report.findings
+        assert "workers [1, 2, 3] still training" in report.rank(0).action
+        assert caught.value.rank == 3  # the server and the pushing workers were held up by it
+    else:  # nobody waits for it until the end: the others finish, the server waits for its last push
+        assert report.never_arrived == (0, 3), str(report)
+        assert report.findings[0].startswith("ranks 1, 2 wait in barrier #1 of group world=[0,1,2,3]")
+        assert "rank 0 never entered it (last seen in serving 37 parameters; workers [3] still training)" \
+            in report.findings[0]
+    again = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode="sync", **RUN).run(timeout=120)
+    assert len(again.losses) == RUN["steps"]
+    assert len(lab.Experiment(cluster, lab.GPT(**TINY), lab.Parallel(dp=4), **RUN).run(progress=False).losses) == 3
+
+
 def test_bad_arguments_are_named_before_launch(cluster):
     with pytest.raises(lab.ParallelConfigError) as caught:
         lab.ParameterServer(cluster, lab.GPT(**TINY), servers=4, mode="bounded", global_batch=10,
                             faults=[lab.Slow(0, 2.0)])
     message = str(caught.value)
+    assert set(caught.value.rules) <= set(RULES), caught.value.rules
     assert "servers must be an int from 1 to world_size-1 = 3" in message
     assert "needs max_staleness" in message
     with pytest.raises(lab.ParallelConfigError, match="divisible by the 3 workers"):
