@@ -131,7 +131,7 @@ def test_bad_fault_is_refused_before_launch(cluster):
         experiment(cluster, steps=3, faults=[lab.Kill(1, at_step=3)])
     with pytest.raises(lab.ParallelConfigError, match="faults.0. must be lab.Slow, lab.Hang, lab.Crash or lab.Kill"):
         experiment(cluster, steps=3, faults=["kill rank 2"])
-    with pytest.raises(lab.ParallelConfigError, match="hang_after must be a number of seconds > 0"):
+    with pytest.raises(lab.ParallelConfigError, match="hang_after must be None or a number of seconds > 0"):
         experiment(cluster, steps=3, hang_after=0)
 
 
