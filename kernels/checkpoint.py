@@ -259,8 +259,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     optim_sd = {k: v for k, v in optim_sd.items() if k not in settings}
     stored = tensor_shapes(path)  # DCP's metadata file, read once per load
     check_against(path, _expected_shapes(model_sd, "model"), stored=stored)
-    # Plain SGD saves no "optim." state, only its settings: a checkpoint without both is weights only.
-    if optimizer is not None and not any(k.startswith(("optim.", f"{SHARED_SETTINGS}.")) for k in stored):
+    # Only an optimizer with state to restore needs it: plain SGD keeps none (its state dict is settings alone).
+    if optim_sd and not any(k.startswith("optim.") for k in stored):
         raise CheckpointMissingError(f"checkpoint {path} holds no optimizer state (weights only)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}

@@ -87,3 +87,16 @@ def test_shared_settings_are_none_when_any_field_differs():
     assert shared_settings({**same, "param_groups.b.c.lr": 0.2}) is None
     assert shared_settings({"param_groups.a.lr": torch.tensor(0.1)}) is None
     assert shared_settings({}) is None
+
+
+def test_a_weights_only_checkpoint_is_refused_where_optimizer_state_is_needed_and_loads_for_plain_sgd(
+        world_of_one, tmp_path):
+    model, _ = _trained(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    save_checkpoint(str(tmp_path / "step_1"), model, None, {"step": 1})  # the weights alone
+    fresh = build_gpt(GPTConfig(**{**CONFIG.__dict__, "seed": 1}))
+    with pytest.raises(CheckpointMissingError, match="holds no optimizer state"):
+        load_checkpoint(str(tmp_path / "step_1"), fresh, torch.optim.AdamW(fresh.parameters()))
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1)  # keeps no state: nothing to restore
+    load_checkpoint(str(tmp_path / "step_1"), fresh, sgd, optimizer_settings=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    assert sgd.param_groups[0]["lr"] == 0.1

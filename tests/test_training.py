@@ -44,6 +44,19 @@ def test_async_checkpoints_are_complete_when_step_returns(cluster, tmp_path):
         assert loaded.step(1).losses == training.losses[2:]
 
 
+def test_plain_sgd_trains_on_across_a_relayout(cluster):
+    """SGD keeps no optimizer state: a ZeRO-1 -> TP2xDP2 ZeRO-3 relayout still goes on as one SGD run."""
+    model = lab.GPT(**TINY)
+    whole = lab.Experiment(cluster, model, lab.Parallel(dp=4), steps=3, optimizer="sgd").run(progress=False)
+    with lab.Training(cluster, model, lab.Parallel(dp=4, zero=1), optimizer="sgd") as training:
+        training.step(1)
+        training.relayout(lab.Parallel(dp=2, tp=2, zero=3))
+        training.step(2)
+    assert training.losses == pytest.approx(whole.losses, rel=1e-4)
+    adamw = lab.Experiment(cluster, model, lab.Parallel(dp=4), steps=3).run(progress=False)
+    assert whole.losses[-1] != pytest.approx(adamw.losses[-1], rel=1e-3)  # it did train with SGD
+
+
 def test_a_rebuilt_world_releases_the_training(cluster):
     """leave_world (a failure, a rebuild) closes what the ranks held; the next step names the lost training."""
     training = lab.Training(cluster, lab.GPT(**TINY), lab.Parallel(dp=4))
