@@ -90,6 +90,13 @@ def describe(fault: dict[str, Any]) -> str:
     return f"{fault['kind'].capitalize()}({args})"
 
 
+def note_slow(faults: list[dict[str, Any]], note: Any) -> None:
+    """``note(text)`` for each slow fault: it acts from the first step, so it is noted at the start."""
+    for fault in faults:
+        if fault["kind"] == "slow":
+            note(f"{describe(fault)} from the start")
+
+
 def strike(fault: dict[str, Any], step: int, note: Any) -> None:
     """Apply a step fault (hang, crash, kill) due at ``step``; ``note(text)`` records it first.
 

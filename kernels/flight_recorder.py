@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from kernels.collective_log import BEACON_KEY, read_state
+from kernels.progress import engine_publisher
 from kernels.records import FlightGroup
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
@@ -92,6 +93,12 @@ def group_summaries(axis_names: dict[str, str] | None = None, since_ns: int = 0)
                              last_seq=e["collective_seq_id"], last_op=e["profiling_name"],
                              last_done_seq=done.get(name, 0))
                  for name, e in sorted(last.items()))
+
+
+def engine_beacon(state_path: str, axis_names: dict[str, str]) -> "WatchBeacon | None":
+    """A beacon (not started) for this rank's state on an ipyparallel engine; None elsewhere, with nobody to send to."""
+    publish = engine_publisher()
+    return None if publish is None else WatchBeacon(state_path, publish, axis_names)
 
 
 class WatchBeacon:

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from kernels import faults as fault_kinds
 from kernels import flight_recorder
 from kernels.collective_log import CollectiveLog
-from kernels.progress import engine_publisher
 
 PUSH_GROUP = "workers"
 
@@ -39,11 +38,10 @@ PUSH_GROUP = "workers"
 def ps_watch(rank: int, faults: list[dict[str, Any]]) -> Iterator[CollectiveLog]:
     """This rank's collective log (and its beacon on an engine) for one PS run; ``faults`` are this rank's."""
     log = CollectiveLog(rank)
-    for fault in faults:
-        if fault["kind"] == "slow":
-            log.note_fault(f"{fault_kinds.describe(fault)} from the start")
-    publish = engine_publisher()
-    beacon = None if publish is None else flight_recorder.WatchBeacon(log.path, publish, {}).start()
+    fault_kinds.note_slow(faults, log.note_fault)
+    beacon = flight_recorder.engine_beacon(log.path, {})
+    if beacon is not None:
+        beacon.start()
     try:
         yield log
     finally:

@@ -49,7 +49,6 @@ from kernels import flight_recorder
 from kernels.collective_log import CollectiveLog, log_path, read_state
 from kernels.records import StepWait
 from kernels.comm import _DIST_OPS, patched_dist_names, route_ddp_through_python
-from kernels.progress import engine_publisher
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
 # gloo's p2p works have no future to log their end with.
@@ -65,13 +64,9 @@ class RankWatch:
         self.log = CollectiveLog(self.rank)
         self.faults = fault_kinds.faults_for(faults, self.rank)
         self.pacing = fault_kinds.pacing_for(self.faults, synthetic_forward_s)
-        for f in self.faults:
-            if f["kind"] == "slow":
-                self.log.note_fault(f"{fault_kinds.describe(f)} from the start")
+        fault_kinds.note_slow(self.faults, self.log.note_fault)
         self._names = _group_names(meshes)
-        publish = engine_publisher()
-        self._beacon = None if publish is None else flight_recorder.WatchBeacon(
-            self.log.path, publish, flight_recorder.mesh_axis_names(meshes))
+        self._beacon = flight_recorder.engine_beacon(self.log.path, flight_recorder.mesh_axis_names(meshes))
         self._ranks: dict[int, tuple[int, ...]] = {}
         self._local = threading.local()
         self._handles: list[Any] = []
