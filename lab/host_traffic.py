@@ -9,7 +9,7 @@ receiving rank is on another host, *intra-host* otherwise.
   from that the destination (``kernels.comm``, the row's ``"to"``); ``split`` uses the
   pool's rank → host map;
 - planned: the groups of the (pp, dp, tp) mesh in the run's rank order
-  (``kernels.layout_rules.coords``, as ``lab.plan_mesh.axis_groups``) and the planner's
+  (``lab.plan_mesh.axis_groups``) and the planner's
   payloads (``lab.measure.predicted_comm``), with pipeline sends split into the
   forward ones (to the next stage) and backward ones (to the one before), on the same
   rank → host map (``planned_inter``).
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kernels.layout_rules import MESH_AXES, coords
+from kernels.layout_rules import MESH_AXES
 from lab.plan_math import busbw_factor
+from lab.plan_mesh import axis_groups
 
 P2P = ("send", "recv")
 
@@ -43,17 +44,8 @@ def split(row: dict[str, Any], rank: int, hosts: Sequence[str]) -> tuple[float, 
 
 def neighbour(dims: dict[str, int], axis: str, rank: int, step: int = 1, order: Sequence[str] = MESH_AXES) -> int:
     """The rank ``step`` places after ``rank`` in its group along ``axis`` (wrapping), groups ordered by the axis index."""
-    world = dims["dp"] * dims["tp"] * dims["pp"]
-    mine = coords(rank, dims, order)
-    group = sorted((r for r in range(world)
-                    if all(v == mine[a] for a, v in coords(r, dims, order).items() if a != axis)),
-                   key=lambda r: coords(r, dims, order)[axis])
+    group = next(g for g in axis_groups(dims["dp"], dims["tp"], dims["pp"], axis, tuple(order)) if rank in g)
     return group[(group.index(rank) + step) % len(group)]
-
-
-def crosses_hosts(dims: dict[str, int], axis: str, hosts: Sequence[str], order: Sequence[str] = MESH_AXES) -> bool:
-    """True when some rank's ring successor along ``axis`` is on another host (the planner's "inter" link)."""
-    return any(hosts[neighbour(dims, axis, r, 1, order)] != hosts[r] for r in range(len(hosts)))
 
 
 def planned_inter(row: dict[str, Any], record: dict[str, Any], predicted: float | None, pp_sends: dict[str, float],
