@@ -167,8 +167,8 @@ def bubble_theory(schedule: str, pp: int, microbatches: int,
 
 def mesh_order_problems(order: object) -> list[tuple[str, str]]:
     """[mesh-order]: ``order`` is a tuple or list naming pp, dp and tp once each."""
-    if isinstance(order, (tuple, list)) and sorted(map(str, order)) == sorted(MESH_AXES) \
-            and all(isinstance(a, str) for a in order):
+    if isinstance(order, (tuple, list)) and all(isinstance(a, str) for a in order) \
+            and sorted(order) == sorted(MESH_AXES):
         return []
     return [("mesh-order", f"mesh_order must name pp, dp and tp once each (outermost first), got {order!r}")]
 

@@ -1,8 +1,8 @@
 """The one-process reference every parallel layout must reproduce.
 
 Algorithm: plain minibatch AdamW (Loshchilov & Hutter, 2019, "Decoupled Weight Decay
-Regularization"), or plain SGD with ``optimizer="sgd"``, on the whole global batch in one process: the same initial weights
-(``build_gpt`` with the seed), the same global batch per step
+Regularization"), or plain SGD with ``optimizer="sgd"``, on the whole global batch in one
+process: the same initial weights (``build_gpt`` with the seed), the same global batch per step
 (``SyntheticTokens.global_batch``), the same loss (mean over all B*T tokens) and the
 same optimizer hyper-parameters as ``kernels.train.train_rank``. A parallel layout is
 correct when its per-step global losses and final gathered parameters match these.

@@ -47,7 +47,10 @@ def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, St
 
 
 def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
-    """The run's optimizer over ``model``: ZeRO-1's partitioned one, or plain; a CPU-offloaded FSDP2 model steps on CPU."""
+    """The run's optimizer over ``model``: ZeRO-1's partitioned one, or plain.
+
+    A CPU-offloaded FSDP2 model steps on CPU.
+    """
     device_type = "cpu" if strategy.cpu_offload else device.type
     if strategy.grad_sync is GradSync.ZERO1:
         return build_zero1_optimizer(model, mesh["dp"], optimizer_class(run), **run.optimizer_kwargs(device_type))

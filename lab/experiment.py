@@ -128,9 +128,10 @@ class Experiment:
             stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
             loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
             mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, mesh_order=p.mesh_order,
-            compile=self.compile, return_params=return_params, trace=self.trace, synthetic_forward_s=self.synthetic_forward_s,
-            ranks_per_host=ranks_per_host, measure=self.measure, checkpoint_dir=self.checkpoint_dir,
-            checkpoint_every=self.checkpoint_every, checkpoint_async=self.checkpoint_async,
+            compile=self.compile, return_params=return_params, trace=self.trace,
+            synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure,
+            checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every,
+            checkpoint_async=self.checkpoint_async,
             resume_from=None if self.resume_from is None else os.fspath(self.resume_from),
             watch_collectives=True, faults=fault_dicts(self.faults))
 

@@ -15,8 +15,9 @@ its losses equal the one-process ``reference()`` and DDP's. ``async`` and ``boun
 ``faults=[lab.Slow(rank, factor)]`` makes a worker a straggler; Crash/Hang/Kill act as in
 an Experiment, on workers. ``hang_after=s`` raises ``lab.HangError`` once no rank has moved
 for s seconds, with a ``HangReport`` that names the workers waiting in their push and the
-one that never pushed (``kernels.ps_watch``); a timeout or an interrupt carries the same report. ``start()`` runs it in the background (``lab.ps_handle``):
-``stop()`` ends it after the step under way, and the result holds the steps that ran.
+one that never pushed (``kernels.ps_watch``); a timeout or an interrupt carries the same
+report. ``start()`` runs it in the background (``lab.ps_handle``): ``stop()`` ends it after
+the step under way, and the result holds the steps that ran.
 """
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ from lab.hang_report import HangWatch
 from lab.parallel import ParallelConfigError
 from lab.ps_handle import PSHandle
 from lab.ps_result import PSResult
-
 
 
 class ParameterServer:

@@ -3,9 +3,8 @@
 Mesh order is ``(pp, dp, tp)`` with tp fastest (docs/design.md#mesh-order): global rank
 ``(pp_i * dp + dp_i) * tp + tp_i``, unless the layout names another ``mesh_order``
 (ranks run row-major over it, ``kernels.layout_rules.coords``); rank r sits on node
-``r // gpus_per_node``. A
-group is "intra" when every group of that axis stays inside one node, and "inter"
-when any of them crosses nodes (the slowest group sets the pace of a collective).
+``r // gpus_per_node``. A group is "intra" when every group of that axis stays inside
+one node, and "inter" when any of them crosses nodes (the slowest group sets the pace of a collective).
 
 ``Layout`` reads the attributes of ``lab.parallel.Parallel`` (dp, tp, pp, zero,
 fsdp_strategy, dp_replicate, schedule, microbatches, stages_per_rank, sequence_parallel,
