@@ -30,6 +30,9 @@ import traceback
 DUMP_SIGNAL = signal.SIGUSR1
 
 Frame = tuple[str, int, str]  # (file name, line number, function name)
+# A frame's code beyond its name: a serializer may rename the file (cloudpickle >= 3.1.3 sends
+# "<dynamic-code>"), and these tell apart two functions of one name whose lines overlap.
+CodeId = tuple[str, int]  # (qualified name, first line)
 
 _dump_file = None  # kept open: faulthandler writes to its descriptor from the signal handler
 _last_failure: dict = {}  # the exception type name and frames of the current call's failure
@@ -106,13 +109,16 @@ def forget_failure() -> None:
 
 
 def record_failure(error: BaseException, skip: int = 1) -> None:
-    """Keep ``error``'s type name and frames, outermost first, less the ``skip`` outermost (the guard's)."""
-    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(error.__traceback__)[skip:]]
-    _last_failure.update(ename=type(error).__name__, frames=frames)
+    """Keep ``error``'s type name, frames and their code ids, outermost first, less the ``skip`` outermost (the guard's)."""
+    steps = list(traceback.walk_tb(error.__traceback__))[skip:]
+    frames = [(frame.f_code.co_filename, lineno or 0, frame.f_code.co_name) for frame, lineno in steps]
+    codes = [(getattr(frame.f_code, "co_qualname", frame.f_code.co_name), frame.f_code.co_firstlineno)
+             for frame, _ in steps]
+    _last_failure.update(ename=type(error).__name__, frames=frames, codes=codes)
 
 
 def last_failure() -> dict:
-    """``{"ename": ..., "frames": [...]}`` of the current call's failure, or ``{}`` if it has not failed."""
+    """``{"ename": ..., "frames": [...], "codes": [...]}`` of the current call's failure, or ``{}`` if none."""
     return dict(_last_failure)
 
 

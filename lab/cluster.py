@@ -22,6 +22,7 @@ from lab import cluster_render, launch, px_magic
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.failure_report import FailureReporter
+from lab.sent_code import SentCodeBook
 from lab.standby import Standby
 from lab.supervise import Outcome, wait_ranks
 
@@ -53,6 +54,7 @@ class Cluster(WorldKeeper, FailureReporter):
         # Called with each call's per-rank futures as it is sent (lab.run_handle reads their data messages).
         self._submit_listeners: list[Callable[[dict[int, AsyncResult]], None]] = []
         self._heard: dict[int, float] = {}  # rank -> wall clock of its last progress record (set by lab.run_handle)
+        self._sent_code = SentCodeBook()  # the notebook code each call carried: a rank's frames name their cell
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         try:
             self._adopt_engines(warn=True)
@@ -142,6 +144,7 @@ class Cluster(WorldKeeper, FailureReporter):
         if died_idle:
             self._raise_after_recovery(Outcome(dead=died_idle), timeout=timeout)
         self._standby.warm({r.engine_id for r in self._rank_map.ranks})
+        self._sent_code.remember(fn, args, kwargs)
         pending = self._submit(targets, runtime.call_guarded, fn, args, kwargs)
         for listener in list(self._submit_listeners):
             listener(pending)
@@ -193,6 +196,7 @@ class Cluster(WorldKeeper, FailureReporter):
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells)."""
         targets = self._targets(ranks)
+        self._sent_code.remember(namespace)
         self._source.client[[self._engine_of(r) for r in targets]].push(namespace, block=True)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from collections.abc import Collection, Iterable
 from typing import Any, Callable, NoReturn
 
@@ -38,11 +39,11 @@ class FailureReporter:
             report = hang_watch.capture(f"no progress for {hang_watch.hang_after:g} s (hang_after)" if out.stalled
                                         else f"the {timeout:g} s timeout")
         rank_map = self._rank_map  # the PIDs that failed, before recovery replaces any
-        at_deadline = self._stacks_now(set(out.pending)) if timed_out else {}
+        at_deadline = self._stacks_now(set(out.pending)) if timed_out else {}  # frames restored, as all below
         skipped = set(out.results) if timed_out else set()  # returned while others still ran
         recovery = self._recover(out, interrupt=timed_out)
-        at_deadline.update(self._ask(stack_report.read_dump, {r for r, f in at_deadline.items() if f is None},
-                                     recovery))
+        asked = self._ask(stack_report.read_dump, {r for r, f in at_deadline.items() if f is None}, recovery)
+        at_deadline.update({r: self._sent_code.restore(f) for r, f in asked.items() if f is not None})
         raised = self._failure_frames(out, recovery)
         late = {r: (frame_view.collective_of(f) if f else None) for r, f in at_deadline.items()}
         if report is not None:  # a rank blocked in C++ (DDP's reducer) has no dist frame; its log says where
@@ -56,6 +57,7 @@ class FailureReporter:
         failures = describe_failures(out, rank_map, interrupted=set(recovery.interrupted) - set(late),
                                      killed=set(recovery.killed), late=late, skipped=skipped, where=where,
                                      stacks=stacks)
+        failures = [replace(f, traceback=self._sent_code.restore_text(f.traceback)) for f in failures]
         self._states = {r: ("dead", "engine process is gone") for r in self._dead}
         cause = failures[0]
         if cause.rank not in self._dead and cause.rank not in recovery.replaced:
@@ -85,7 +87,12 @@ class FailureReporter:
         while any(_size(path) <= sizes[r] for r, path in paths.items()) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.02)  # the handler writes thread by thread; let it finish
-        return {r: (stack_report.read_dump(pids[r], directory) if r in paths else None) for r in ranks}
+        return {r: (self._dumped_frames(pids[r], directory) if r in paths else None) for r in ranks}
+
+    def _dumped_frames(self, pid: int, directory: str) -> list[Frame] | None:
+        """A rank's dumped stack (``stack_report.read_dump``), notebook frames named by the code the driver sent."""
+        frames = stack_report.read_dump(pid, directory)
+        return None if frames is None else self._sent_code.restore(frames)
 
     def _failure_frames(self, out: Outcome, recovery: Recovery) -> dict[int, list[Frame]]:
         """The frames of each rank's exception, from the rank itself, when it is the exception the driver got."""
@@ -94,7 +101,7 @@ class FailureReporter:
         for rank, answer in answers.items():
             ename = getattr(out.errors[rank], "ename", None) or type(out.errors[rank]).__name__
             if answer and answer.get("ename") == ename:
-                frames[rank] = [tuple(f) for f in answer["frames"]]
+                frames[rank] = self._sent_code.restore([tuple(f) for f in answer["frames"]], answer.get("codes"))
         return frames
 
     def _ask(self, fn: Callable[[], Any], ranks: set[int], recovery: Recovery) -> dict[int, Any]:

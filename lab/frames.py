@@ -21,7 +21,9 @@ _KERNELS = os.path.join(os.path.dirname(_HERE), "kernels")
 _INTERNAL_DIRS = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")}
                        | {_HERE + os.sep})
 _INTERNAL_FILES = tuple(os.path.join(_KERNELS, name) for name in ("runtime.py", "stack_report.py", "cell.py"))
-_USER_PSEUDO_FILES = ("<ipython-input", "<%%px cell")  # code a user typed, compiled under a made-up name
+# Code a user typed, compiled under a made-up name; "<dynamic-code>" is what cloudpickle >= 3.1.3 calls
+# a notebook function's file when the driver could not name it again (lab.sent_code).
+_USER_PSEUDO_FILES = ("<ipython-input", "<%%px cell", "<dynamic-code>")
 
 
 def is_internal(filename: str) -> bool:
