@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
+import zipfile
 import sys
 from pathlib import Path
 
@@ -114,3 +116,17 @@ def test_import_lab_imports_nothing_heavy_until_a_name_is_used():
             "assert not heavy, heavy; lab.Parallel; assert 'lab.parallel' in sys.modules; "
             "assert set(lab.__all__) <= set(dir(lab)); lab.GPT(layers=1)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_wheel_holds_every_package_and_front_end_file_of_the_repo(tmp_path):
+    # From a clean copy: setuptools would take a module left in the checkout's build/ from an earlier build.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            str(source), "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    with zipfile.ZipFile(next(tmp_path.glob("cluster_lab-*.whl"))) as wheel:
+        shipped = set(wheel.namelist())
+    own = {str(p.relative_to(ROOT)) for top in ("lab", "kernels", "widgets") for p in (ROOT / top).rglob("*")
+           if p.suffix in (".py", ".js", ".css") and "__pycache__" not in p.parts}
+    assert own and not own - shipped, f"left out of the wheel: {sorted(own - shipped)}"
