@@ -64,6 +64,10 @@ def layout_records(kind: str) -> list[dict]:
             coords, extra = {"pp": 0, "dp": r, "tp": 0}, {"strategy": "fsdp", "zero": 3, "hybrid": True}
             params = {n: _param(s, [s[0] // 2] + s[1:], ["R", "S(0)"], ["dp_replicate", "dp_shard"])
                       for n, s in zip(names, shapes)}
+        elif kind == "tp_replicate":  # dp=2 x tp=2 at ZeRO 0: FSDP2 on a (dp, 1) HSDP mesh, one shard per replica
+            coords, extra = {"pp": 0, "dp": r // 2, "tp": r % 2}, {"strategy": "fsdp", "zero": 2, "hybrid": True}
+            params = {n: _param(s, [s[0] // 2] + s[1:], ["R", "_S(0, 2)", "S(0)"], ["dp_replicate", "dp_shard", "tp"])
+                      for n, s in zip(names, shapes)}
         elif kind == "zero1":  # dp=4 DDP, ZeroRedundancyOptimizer owns whole parameters
             owned = [names[r]] + ([names[4]] if r == 0 else [])
             coords = {"pp": 0, "dp": r, "tp": 0}
@@ -409,3 +413,11 @@ def test_status_and_collective_records_of_another_shape_fail_naming_the_key(view
 def test_sharding_title_says_what_the_placements_built(kind, title):
     view = ShardingView(layout_records(kind))
     assert view.title.startswith(title)
+
+
+def test_tp_by_dp_at_zero_0_is_shown_as_replication_without_fsdp_collectives():
+    # The user chose ZeRO 0; FSDP2 runs it over shards of one rank, which gather and scatter nothing.
+    view = _sharding_view(layout_records("tp_replicate"))
+    assert view["title"].startswith("fsdp replicate · ZeRO-0 (whole parameters on every dp rank, gradients "
+                                    "all-reduced, as DDP) · pp=1 dp=2 tp=2 · dp_shard=1 dp_replicate=2")
+    assert view["zero"] == 0 and view["phases"] == [] and all(row["gathered"] == [] for row in view["rows"])

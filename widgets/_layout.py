@@ -141,9 +141,10 @@ def _sharding_view(layout: Any) -> dict[str, Any]:
                                       "dtype": info["dtype"]})
     names = list(tensors)
     first = records[0] if records else {}
-    fsdp = first.get("strategy") == "fsdp"
+    fsdp = first.get("strategy") == "fsdp" and sizes["dp_shard"] > 1  # FSDP2 over one shard only replicates
     rows = [_row(r, names, sizes, fsdp) for r in records]
-    return {"strategy": first.get("strategy", ""), "zero": int(first.get("zero", 0) or 0), "sizes": sizes,
+    zero = int(first.get("zero", 0) or 0) if fsdp or first.get("strategy") != "fsdp" else 0
+    return {"strategy": first.get("strategy", ""), "zero": zero, "sizes": sizes,
             "title": _title(first, sizes, list(tensors.values())),
             "tensors": list(tensors.values()), "rows": rows,
             "phases": _fsdp_phases(list(tensors.values()), int(first.get("zero", 3) or 3)) if fsdp else []}
@@ -158,7 +159,11 @@ def _title(first: dict[str, Any], sizes: dict[str, int], tensors: list[dict[str,
     how = Counter(", ".join(f"{a}: {p}" for a, p in zip(t["mesh_axes"], t["placements"])) for t in tensors)
     placed = f"placements [{how.most_common(1)[0][0]}]" if how and how.most_common(1)[0][0] else "plain tensors"
     owned = " · optimizer state split by parameter (ZeRO-1)" if first.get("optimizer_params") is not None else ""
-    return f"{first.get('strategy', '')} · ZeRO-{int(first.get('zero', 0) or 0)} · {mesh} · {split} · {placed}{owned}"
+    if first.get("strategy") == "fsdp" and sizes["dp_shard"] == 1:  # TP×DP at ZeRO 0: DDP cannot take DTensors
+        how_dp = "fsdp replicate · ZeRO-0 (whole parameters on every dp rank, gradients all-reduced, as DDP)"
+    else:
+        how_dp = f"{first.get('strategy', '')} · ZeRO-{int(first.get('zero', 0) or 0)}"
+    return f"{how_dp} · {mesh} · {split} · {placed}{owned}"
 
 
 def _fsdp_phases(tensors: list[dict[str, Any]], zero: int) -> list[dict[str, Any]]:
