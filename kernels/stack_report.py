@@ -109,7 +109,8 @@ def forget_failure() -> None:
 
 
 def record_failure(error: BaseException, skip: int = 1) -> None:
-    """Keep ``error``'s type name, frames and their code ids, outermost first, less the ``skip`` outermost (the guard's)."""
+    """Keep ``error``'s type name, frames and their code ids, outermost first, less the ``skip`` outermost
+    (the guard's)."""
     steps = list(traceback.walk_tb(error.__traceback__))[skip:]
     frames = [(frame.f_code.co_filename, lineno or 0, frame.f_code.co_name) for frame, lineno in steps]
     codes = [(getattr(frame.f_code, "co_qualname", frame.f_code.co_name), frame.f_code.co_firstlineno)

@@ -90,7 +90,7 @@ class FailureReporter:
         return {r: (self._dumped_frames(pids[r], directory) if r in paths else None) for r in ranks}
 
     def _dumped_frames(self, pid: int, directory: str) -> list[Frame] | None:
-        """A rank's dumped stack (``stack_report.read_dump``), notebook frames named by the code the driver sent."""
+        """A rank's dumped stack (``stack_report.read_dump``), its notebook frames named by what the driver sent."""
         frames = stack_report.read_dump(pid, directory)
         return None if frames is None else self._sent_code.restore(frames)
 

@@ -18,10 +18,12 @@ import lab
 
 CELLS = {
     "function": "def step(x):\n    if dist.get_rank() == 1:\n        return x / 0\n    return x\n",
-    "nested": "def outer():\n    def inner(y):\n        return 1 // (y - 1)\n    return inner(dist.get_rank())\n",
+    "nested": ("def outer():\n    def inner(y):\n        return 1 // (y - 1)\n"
+               "    return inner(dist.get_rank())\n"),
     "lambda_in_function": "def apply():\n    f = lambda v: [0][v]\n    return f(dist.get_rank())\n",
     "helper": "def helper(v):\n    if v == 1:\n        raise KeyError(f'rank {v}')\n    return v\n",
-    "spin": "def spin():\n    import time\n    while dist.get_rank() == 1:\n        time.sleep(0.01)\n    dist.barrier()\n",
+    "spin": ("def spin():\n    import time\n    while dist.get_rank() == 1:\n        time.sleep(0.01)\n"
+             "    dist.barrier()\n"),
 }
 CALLS = {
     "function": "cluster.run(step, 1)",
@@ -33,7 +35,8 @@ CALLS = {
     "module_by_value": "cluster.run(userlib.fails)",
     "timeout_stack": "cluster.run(spin, timeout=4)",
 }
-MODULE = "def fails():\n    import torch.distributed as dist\n    if dist.get_rank() == 1:\n        raise ValueError('from a module file')\n"
+MODULE = ("def fails():\n    import torch.distributed as dist\n    if dist.get_rank() == 1:\n"
+          "        raise ValueError('from a module file')\n")
 
 
 def main(module_dir: str) -> None:

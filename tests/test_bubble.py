@@ -54,21 +54,25 @@ def _assert_near_theory(report) -> None:
     assert abs(report.mean - report.theory) <= TOLERANCE, detail
 
 
-@pytest.mark.parametrize("m", [4, 8, 16])
-@pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# The fast tier keeps one case per schedule (about 5 s each); the rest of the grid is slow.
+FAST_CASES = {("gpipe", 2, 4), ("1f1b", 4, 8)}
+GRID = [pytest.param(s, pp, m, marks=() if (s, pp, m) in FAST_CASES else pytest.mark.slow)
+        for s in ("gpipe", "1f1b") for pp in (2, 4) for m in (4, 8, 16)]
+
+
+@pytest.mark.parametrize("schedule, pp, m", GRID)
 def test_gpipe_and_1f1b_bubble_matches_theory_in_synthetic_mode(trace_ranks, schedule, pp, m):
     _assert_near_theory(synthetic_bubble(trace_ranks, schedule, pp, m))
 
 
-@pytest.mark.parametrize("pp, m", [(4, 8), (2, 8)])
+@pytest.mark.parametrize("pp, m", [pytest.param(4, 8, marks=pytest.mark.slow), (2, 8)])
 def test_interleaved_1f1b_bubble_matches_theory_in_synthetic_mode(trace_ranks, pp, m):
     report = synthetic_bubble(trace_ranks, "interleaved_1f1b", pp, m, synthetic_forward_s=T_INTERLEAVED)
     assert report.stages_per_rank == 2 and report.theory == pytest.approx((pp - 1) / (2 * m + pp - 1))
     _assert_near_theory(report)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv"])
+@pytest.mark.parametrize("schedule", [pytest.param("interleaved_zero_bubble", marks=pytest.mark.slow), "zbv"])
 def test_zero_bubble_schedules_idle_less_than_1f1b(trace_ranks, schedule):
     zero = synthetic_bubble(trace_ranks, schedule, 4, 8, synthetic_forward_s=T_ZERO_BUBBLE)
     one_f_one_b = synthetic_bubble(trace_ranks, "1f1b", 4, 8, synthetic_forward_s=T_ZERO_BUBBLE)

@@ -66,8 +66,8 @@ def layout_records(kind: str) -> list[dict]:
                       for n, s in zip(names, shapes)}
         elif kind == "tp_replicate":  # dp=2 x tp=2 at ZeRO 0: FSDP2 on a (dp, 1) HSDP mesh, one shard per replica
             coords, extra = {"pp": 0, "dp": r // 2, "tp": r % 2}, {"strategy": "fsdp", "zero": 2, "hybrid": True}
-            params = {n: _param(s, [s[0] // 2] + s[1:], ["R", "_S(0, 2)", "S(0)"], ["dp_replicate", "dp_shard", "tp"])
-                      for n, s in zip(names, shapes)}
+            axes = ["dp_replicate", "dp_shard", "tp"]
+            params = {n: _param(s, [s[0] // 2] + s[1:], ["R", "_S(0, 2)", "S(0)"], axes) for n, s in zip(names, shapes)}
         elif kind == "zero1":  # dp=4 DDP, ZeroRedundancyOptimizer owns whole parameters
             owned = [names[r]] + ([names[4]] if r == 0 else [])
             coords = {"pp": 0, "dp": r, "tp": 0}
