@@ -39,8 +39,11 @@ LAYOUTS = {
 EIGHT_RANKS = {"pp2-dp2-tp2"}
 
 # (A, B): the matrix
-PAIRS = [("dp4", "tp2-dp2-zero3"), ("zero3-dp4", "pp2-tp2-1f1b"), ("pp2-dp2-gpipe", "zero1-dp4"),
-         ("pp2-tp2-interleaved", "zero2-dp4"), ("zero3-dp4-cpu-offload", "hsdp-2x2"),
+# The fast tier keeps two relayouts (DP -> TP×FSDP, FSDP -> PP×TP); the rest of the matrix is slow.
+PAIRS = [("dp4", "tp2-dp2-zero3"), ("zero3-dp4", "pp2-tp2-1f1b"),
+         pytest.param("pp2-dp2-gpipe", "zero1-dp4", marks=pytest.mark.slow),
+         pytest.param("pp2-tp2-interleaved", "zero2-dp4", marks=pytest.mark.slow),
+         pytest.param("zero3-dp4-cpu-offload", "hsdp-2x2", marks=pytest.mark.slow),
          pytest.param("pp2-dp2-tp2", "dp2-tp2", marks=pytest.mark.slow, id="pp2-dp2-tp2-8-ranks-to-dp2-tp2")]
 SAME = ["dp4", "zero3-dp4", "zero1-dp4", "pp2-dp2-gpipe"]  # ZeRO-1: each rank saves and loads its own partition
 

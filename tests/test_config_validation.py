@@ -232,6 +232,7 @@ FP32_RTOL, BF16_RTOL = {"loss": 1e-4, "norm": 1e-4}, {"loss": 2e-3, "norm": 2e-2
 
 # 15 examples, about 13 of them runs on the pool: 30-50 s measured on two loaded cores.
 # Each example is a run on the pool: shrinking a failure would rerun dozens, so it is shown as drawn.
+@pytest.mark.slow  # 15 drawn layouts, each trained beside one process (about 14 s quiet)
 @settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(runnable_config())

@@ -1,6 +1,8 @@
 """Controls explain broken rules inline, keep Run disabled for them, and re-run valid layouts on the warm pool."""
 from __future__ import annotations
 
+import pytest
+
 import lab
 from lab.controls import Controls
 from tests.conftest import start_pool
@@ -55,6 +57,7 @@ def test_run_keeps_trace_and_measure_so_the_timeline_and_memory_views_follow(clu
     assert controls.memory.strip["rows"] == []  # this run traced no step: no stale strip
 
 
+@pytest.mark.slow  # starts and stops a pool of its own (about 12 s quiet)
 def test_run_goes_away_with_a_note_once_the_pool_stops():
     pool = start_pool(1)
     try:

@@ -55,6 +55,7 @@ def test_llama3_70b_rank0_tp8_dp4_fsdp_params_within_2_percent_of_plan():
     assert _no_process_group_here()
 
 
+@pytest.mark.slow  # the 70B case keeps a real-model dry run in the fast tier
 def test_llama31_405b_rank0_tp8_pp16_dp8_shard_equals_shape_arithmetic():
     report = dry_run({"tp": 8, "pp": 16, "dp": 8, "fsdp_strategy": "full"}, "llama3.1-405b", gpus=1024)
     print(f"\nLlama-3.1-405B TP8xPP16xDP8 rank 0: params {report.measured['params']:,} B, "
@@ -98,7 +99,7 @@ def _chunked_bytes(dims: dict[str, int], coords: dict[str, int]) -> int:
     return total
 
 
-@pytest.mark.parametrize("rank", [0, 5, 11])
+@pytest.mark.parametrize("rank", [0, pytest.param(5, marks=pytest.mark.slow), pytest.param(11, marks=pytest.mark.slow)])
 def test_small_model_shard_bytes_equal_real_tensor_chunks(rank):
     dims = {"tp": 2, "pp": 2, "dp": 3}  # dp=3 splits 64 and 128 rows unevenly (22/22/20, 43/43/42)
     report = dry_run({**dims, "fsdp_strategy": "full"}, TINY, rank=rank)
@@ -121,6 +122,7 @@ def test_zero2_row_counts_parameters_whole_and_zero0_holds_everything():
     assert ddp.measured["grads"] == ddp.measured["params"]
 
 
+@pytest.mark.slow  # two dry runs of 16 fake ranks
 def test_hybrid_shards_within_a_node_only():
     report = dry_run({"tp": 2, "dp": 8, "fsdp_strategy": "hybrid"}, TINY, gpus_per_node=8)
     full = dry_run({"tp": 2, "dp": 8, "fsdp_strategy": "full"}, TINY)

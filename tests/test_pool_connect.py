@@ -40,6 +40,7 @@ def ipcluster(tmp_path):
         server.wait(timeout=30)
 
 
+@pytest.mark.slow  # an ipcluster of its own (about 9 s quiet); the fast tier keeps the url-file connect
 def test_connect_makes_ipcluster_engines_ranks_and_stop_leaves_them_running(ipcluster):
     profile_dir, cluster_id = ipcluster
     deadline = time.monotonic() + 60
