@@ -126,7 +126,9 @@ def test_the_readme_torchrun_line_trains_like_one_process_with_no_warning_and_sa
     assert "view tensor" not in done.stderr and "UserWarning" not in done.stderr, done.stderr
     assert "pp 1 x dp 2 x tp 2: FSDP2 replicating over dp" in done.stdout
     steps = re.findall(r"step \d+: loss (\S+)  reference (\S+)", done.stdout)
-    assert steps and all(mine == theirs for mine, theirs in steps), done.stdout
+    # The parity bound (rtol 1e-4, as every fp32 layout): TP sums in another order than one process, so
+    # the printed sixth decimal can differ (3.974926 against 3.974925 at step 2 on an AMD EPYC here).
+    assert steps and all(float(mine) == pytest.approx(float(theirs), rel=1e-4) for mine, theirs in steps), done.stdout
 
 
 def train_recording_warnings(cfg: dict) -> list[str]:
