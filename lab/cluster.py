@@ -18,7 +18,7 @@ from ipyparallel import AsyncResult
 
 from kernels import runtime
 from kernels.records import RankMap, RankStatus
-from lab import cluster_render, launch, px_magic
+from lab import cluster_render, launch, lifetime, px_magic
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.failure_report import FailureReporter
@@ -54,6 +54,7 @@ class Cluster(WorldKeeper, FailureReporter):
         self._submit_listeners: list[Callable[[dict[int, AsyncResult]], None]] = []
         self._heard: dict[int, float] = {}  # rank -> wall clock of its last progress record (set by lab.run_handle)
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
+        lifetime.stop_on_termination(self)  # SIGTERM/SIGHUP stop the pool as stop() does, then end the driver
         try:
             self._adopt_engines(warn=True)
             # Only a pool the lab started can start engines; an attached pool gets no spares.
@@ -243,7 +244,9 @@ class Cluster(WorldKeeper, FailureReporter):
         self._stopped = True
         for callback in self._on_stop:  # views that offer to run on the pool take their buttons away
             callback()
-        if hasattr(self, "_views") and not self._dead:
+        # Engines the lab started are about to be terminated, their process groups with them; waiting for a rank
+        # that trains to leave its world would only slow a stop that must fit inside a kernel's shutdown.
+        if hasattr(self, "_views") and not self._dead and not self._source.owned:
             try:
                 wait_ranks({r: v.apply_async(runtime.leave_world) for r, v in self._views.items()},
                            self._is_dead, deadline=time.monotonic() + 5, stop_on_failure=False)
