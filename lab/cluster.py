@@ -19,6 +19,7 @@ from ipyparallel import AsyncResult
 from kernels import runtime
 from kernels.records import RankMap, RankStatus
 from lab import cluster_render, launch, lifetime, px_magic
+from lab.busy import PoolOccupancy
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.failure_report import FailureReporter
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from widgets import ClusterView
 
 
-class Cluster(WorldKeeper, FailureReporter):
+class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
     """A pool of ranks; use :func:`lab.start` or :func:`lab.connect` to make one."""
 
     network: Any = None  # the simulated hosts' network (lab.testing.hosts); None on a real pool
@@ -123,7 +124,8 @@ class Cluster(WorldKeeper, FailureReporter):
 
     # ---------------------------------------------------------------- running code
     def run(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
-            timeout: float | None = None, hang_watch: "HangWatch | None" = None, **kwargs: Any) -> Any:
+            timeout: float | None = None, hang_watch: "HangWatch | None" = None, wait: bool = True,
+            **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` on the ranks and return their results.
 
         Returns a list indexed by rank when ``ranks`` is None, else a dict keyed by
@@ -136,7 +138,11 @@ class Cluster(WorldKeeper, FailureReporter):
         With ``hang_watch`` (``lab.hang_report.HangWatch``) a stall ends the call with
         :class:`HangError`, and on a stall, a timeout or an interrupt its ``HangReport``
         is taken before recovery and rides on the error (``err.report``).
+
+        While a run started with ``.start()`` trains, the call waits for it, saying so
+        (``lab.busy``); with ``wait=False`` it raises :class:`PoolBusyError` instead.
         """
+        self._wait_until_free(wait)
         targets = self._targets(ranks)
         # An engine that died between calls (with its whole mpiexec, under MPI) fails the call like a death in one.
         died_idle = {r for r in range(self.world_size) if self._is_dead(r)}
@@ -191,13 +197,15 @@ class Cluster(WorldKeeper, FailureReporter):
         submitted = client[[self._engine_of(r) for r in targets]].apply_async(fn, *args)
         return dict(zip(targets, submitted.split()))
 
-    def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
-        """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells)."""
+    def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None, *, wait: bool = True) -> None:
+        """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells); ``wait`` as for ``run``."""
+        self._wait_until_free(wait)
         targets = self._targets(ranks)
         self._source.client[[self._engine_of(r) for r in targets]].push(namespace, block=True)
 
-    def pull(self, name: str, ranks: Iterable[int] | None = None) -> Any:
-        """Fetch a name's value from each rank: a list by rank, or a dict for ``ranks``."""
+    def pull(self, name: str, ranks: Iterable[int] | None = None, *, wait: bool = True) -> Any:
+        """Fetch a name's value from each rank: a list by rank, or a dict for ``ranks``; ``wait`` as for ``run``."""
+        self._wait_until_free(wait)
         targets = self._targets(ranks)
         values = self._source.client[[self._engine_of(r) for r in targets]].pull(name, block=True)
         return list(values) if ranks is None else dict(zip(targets, values))
@@ -212,31 +220,6 @@ class Cluster(WorldKeeper, FailureReporter):
         px_magic.register(self)
 
     # ------------------------------------------------------------------ lifecycle
-    def restart(self) -> "Cluster":
-        """Replace every engine with a fresh one and rebuild the world from scratch."""
-        self._check_not_stopped()
-        source = self._source
-        if source.ipp_cluster is None:
-            raise LabError("this pool was attached through a url file only; restart its engines with "
-                           "ipcluster, then call lab.connect() again")
-        n = self.world_size
-        old = set(source.client.ids)
-        if source.owned:
-            source.pids |= launch.launched_pids(source.ipp_cluster)
-            source.ipp_cluster.stop_engines_sync()
-            self._kill_leftovers(set(r.pid for r in self._rank_map.ranks))
-            self._standby.forget_all(old)
-            source.ipp_cluster.start_engines_sync(n)
-            source.pids |= launch.launched_pids(source.ipp_cluster)
-        else:
-            source.ipp_cluster.restart_engines_sync()
-        new_ids = self._wait_for_new_engines(n, old)
-        self._dead.clear()
-        self._adopt_engines(new_ids)
-        self._form_world()
-        self._standby.refill()
-        return self
-
     def stop(self) -> None:
         """Tear the world down and stop every process the lab started (checked by PID)."""
         if self._stopped:
