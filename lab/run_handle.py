@@ -65,6 +65,7 @@ class RunHandle:
     # ------------------------------------------------------------------ driving
     def _begin(self, *, background: bool) -> "RunHandle":
         """Start watching, and train on a thread of its own (``start()``) or on this one (``run()``)."""
+        self.started_at = time.time()  # now, not when the handle was made: it may have waited for another run
         self._monitor.start()
         if background:
             self._thread = threading.Thread(target=self._train, name="lab-run", daemon=True)
@@ -74,6 +75,11 @@ class RunHandle:
             self._thread = threading.current_thread()
             self._train()
         return self
+
+    def _abandon(self) -> None:
+        """The run will never begin (its wait for the pool was refused or interrupted): close what follows it."""
+        for callback in self._on_finish:
+            callback()
 
     def _train(self) -> None:
         cluster, result = self.experiment.cluster, None
