@@ -19,13 +19,9 @@ import psutil
 import pytest
 
 from kernels import driver_watch
+from tests.live_kernel import WORKTREE, Kernel, kernel_env
 
-WORKTREE = str(Path(__file__).resolve().parents[1])
 POOL = "lab.start(n=4, backend='gloo', activate=False, spare_engines=1, timeout=120)"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [WORKTREE, os.environ.get("PYTHONPATH")]))}
 
 
 def lab_processes(driver: int, seen: set[int]) -> list[psutil.Process]:
@@ -71,7 +67,7 @@ def test_a_watched_process_and_its_forks_end_when_the_driver_is_gone():
     program = "import os, time\npid = os.fork()\nif pid:\n    print(pid, flush=True)\ntime.sleep(600)\n"
     started = psutil.Process(driver.pid).create_time()
     folder = _target_dir(program)
-    env = {**_env(), "PYTHONPATH": os.pathsep.join([folder, _env()["PYTHONPATH"]])}
+    env = {**kernel_env(), "PYTHONPATH": os.pathsep.join([folder, kernel_env()["PYTHONPATH"]])}
     watched = subprocess.Popen([sys.executable, "-m", "kernels.driver_watch", str(driver.pid), repr(started),
                                 "runpy_target"], env=env, stdout=subprocess.PIPE, cwd=WORKTREE)
     forked = int(watched.stdout.readline())
@@ -118,7 +114,7 @@ def _script_driver(tmp_path: Path, after_start: str = "") -> tuple[subprocess.Po
         print("READY", flush=True)
         time.sleep(600)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=WORKTREE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, str(script)], env=kernel_env(), cwd=WORKTREE, stdout=subprocess.PIPE)
     line = proc.stdout.readline().decode()
     if "READY" not in line:
         proc.kill()
@@ -158,7 +154,7 @@ def test_engines_attached_with_connect_survive_their_drivers_death(tmp_path):
             print("READY", *[r.pid for r in pool.rank_map.ranks], flush=True)
             time.sleep(600)
         """))
-        proc = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=WORKTREE, stdout=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, str(script)], env=kernel_env(), cwd=WORKTREE, stdout=subprocess.PIPE)
         try:
             words = proc.stdout.readline().decode().split()
             assert words[:1] == ["READY"], words
@@ -171,38 +167,6 @@ def test_engines_attached_with_connect_survive_their_drivers_death(tmp_path):
 
 
 # ---------------------------------------------------------------------- kernels
-class Kernel:
-    """A real IPython kernel driven through jupyter_client, as JupyterLab drives one."""
-
-    def __init__(self) -> None:
-        from jupyter_client import KernelManager
-
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(env=_env(), cwd=WORKTREE)
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=120)
-
-    @property
-    def pid(self) -> int:
-        return self.manager.provisioner.process.pid
-
-    def run(self, code: str, timeout: float = 300) -> str:
-        """Execute ``code``; returns its stdout, fails the test with the kernel's error."""
-        out: list[str] = []
-        reply = self.client.execute_interactive(textwrap.dedent(code), timeout=timeout, output_hook=lambda msg: (
-            out.append(msg["content"].get("text", "")) if msg["msg_type"] == "stream" else None))
-        if reply["content"]["status"] != "ok":
-            pytest.fail(f"the kernel raised: {reply['content'].get('ename')}: {reply['content'].get('evalue')}\n"
-                        + "".join(out))
-        return "".join(out)
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        if self.manager.is_alive():
-            self.manager.shutdown_kernel(now=True)
-
-
 @pytest.fixture
 def kernel():
     k = Kernel()

@@ -86,3 +86,43 @@ def test_the_dashboard_holds_every_step_after_a_concurrent_cell(cluster):
         assert {(r.rank, r.step) for r in view.records} == every
         assert [row["step"] for row in view.ranks] == [STEPS - 1] * 4
         assert [step for step, _ in view.loss] == list(range(STEPS))
+
+
+@pytest.mark.slow  # a real kernel (jupyter_client, as JupyterLab) with a 2-rank pool
+def test_a_dashboard_in_a_kernel_moves_while_another_cell_waits_and_ends_with_every_step():
+    from tests.live_kernel import Kernel
+
+    steps = 200
+    kernel = Kernel()
+    try:
+        kernel.run(f"""
+            import time, warnings
+            import lab
+            from IPython.display import display
+            warnings.simplefilter("ignore")
+            pool = lab.start(n=2, backend="gloo", spare_engines=0, timeout=120)
+            exp = lab.Experiment(pool, lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16),
+                                 lab.Parallel(dp=2), steps={steps})
+            h = exp.start()
+            display(h.dashboard())
+            while not h.history:
+                time.sleep(0.05)
+        """)
+        messages = kernel.messages_of("print('after the run:', pool.run(lambda: rank))")
+        kernel.run("pool.stop()")
+    finally:
+        kernel.close()
+    texts = [m["content"]["text"] if m["msg_type"] == "stream" else "" for m in messages]
+    waiting = next(i for i, t in enumerate(texts) if "waiting for the run started at" in t)
+    ended = next(i for i, t in enumerate(texts) if "after the run: [0, 1]" in t)
+    states = [(i, m["content"]["data"]["state"]) for i, m in enumerate(messages)
+              if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"]
+    during = {min(row["step"] for row in s["ranks"]) for i, s in states if waiting < i < ended and "ranks" in s
+              and all(row["step"] is not None for row in s["ranks"])}
+    assert len(during) >= 3  # the view moved on, step after step, while the other cell waited
+    final: dict = {}
+    for _, state in states:
+        final.update(state)
+    assert final["finished"] and [row["step"] for row in final["ranks"]] == [steps - 1] * 2
+    assert [step for step, _ in final["loss"]] == list(range(steps))
+    assert all(len(row["step_s"]) == steps for row in final["ranks"])  # every step's time, on every rank
