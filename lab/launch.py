@@ -5,7 +5,8 @@ client: this module starts, finds and stops processes; it knows nothing of ranks
 
 A local pool gets its own profile directory (mode 0700, removed on stop), a
 controller on loopback and signed messages, and the lab records the PID of every
-process it started so that it can later signal exactly those and no others.
+process it started so that it can later signal exactly those and no others. Each of
+those processes also watches this one and ends when it is gone (``lab.lifetime``).
 
 Whatever the source, the driver sends functions with cloudpickle
 (``ship_functions_with_globals``), so a function defined in a notebook carries the
@@ -38,6 +39,7 @@ class EngineSource:
     owned: bool  # True when the lab started the processes and may stop or kill them
     profile_dir: str | None = None  # private profile to delete on stop (owned pools only)
     pids: set[int] = field(default_factory=set)  # every process the lab started
+    stopped: bool = False  # set by stop_source: nothing more may be started for this source
 
 
 def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60.0,
@@ -213,6 +215,7 @@ def stop_source(source: EngineSource, wait_s: float = 1.0) -> list[int]:
     The whole stop fits well inside jupyter-server's wait for a kernel to shut down.
     Attached (not owned) pools only lose their client connection.
     """
+    source.stopped = True
     if source.client is not None:
         source.client.close()
     if not source.owned:

@@ -37,7 +37,10 @@ _COMMANDS = {"LocalControllerLauncher": ("controller_cmd", "ipyparallel.controll
 
 
 class Stoppable(Protocol):
-    def stop(self) -> None: ...
+    """What the handlers stop: a ``lab.Cluster``."""
+
+    def stop(self) -> None:
+        """Stop the pool and every process the lab started for it."""
 
 
 _pools: "weakref.WeakSet[Stoppable]" = weakref.WeakSet()

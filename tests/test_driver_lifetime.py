@@ -102,6 +102,50 @@ def test_a_reused_pid_is_not_the_driver():
     assert not driver_watch.driver_alive(me.pid, me.create_time() - 3600)  # same PID, another process's start
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_a_terminating_signal_stops_every_pool_then_ends_the_process_as_before(sig):
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from lab import lifetime
+
+        class Pool:
+            def __init__(self, name):
+                self.name = name
+            def stop(self):
+                print("stopped", self.name, flush=True)
+
+        pools = [Pool("a"), Pool("b")]
+        for pool in pools:
+            lifetime.stop_on_termination(pool)
+        os.kill(os.getpid(), {int(sig)})
+        print("still running", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=kernel_env(), cwd=WORKTREE, capture_output=True,
+                          text=True, timeout=60)
+    assert sorted(done.stdout.split("\n")[:2]) == ["stopped a", "stopped b"]
+    assert "still running" not in done.stdout and done.returncode == -sig  # ended by the signal, as by default
+
+
+def test_a_handler_installed_before_the_lab_still_runs_after_the_pools_stop():
+    script = textwrap.dedent("""
+        import os, signal
+        from lab import lifetime
+
+        class Pool:
+            def stop(self):
+                print("stopped", flush=True)
+
+        signal.signal(signal.SIGTERM, lambda *_: print("previous handler", flush=True))
+        pool = Pool()
+        lifetime.stop_on_termination(pool)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("went on", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=kernel_env(), cwd=WORKTREE, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["stopped", "previous", "handler", "went", "on"] and done.returncode == 0
+
+
 # ---------------------------------------------------------------------- scripts
 def _script_driver(tmp_path: Path, after_start: str = "") -> tuple[subprocess.Popen, set[int]]:
     script = tmp_path / "driver.py"
