@@ -201,7 +201,8 @@ class Training:
             params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
             first_step=first, **found)
 
-    def _call(self, fn: Any, *args: Any, timeout: float | None = None, wait: bool = True, **kwargs: Any) -> list[Any]:
+    def _call(self, fn: Any, *args: Any, timeout: float | None = None, wait: bool = True,
+              **kwargs: Any) -> list[Any]:
         try:
             return self.cluster.run(fn, *args, timeout=timeout, wait=wait, **kwargs)
         except RankError as error:

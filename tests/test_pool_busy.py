@@ -43,8 +43,8 @@ def test_a_call_during_a_started_run_waits_for_it_saying_so_then_returns_its_val
 def test_wait_false_raises_pool_busy_error_naming_the_run(cluster):
     handle = started_run(cluster, steps=100000)
     try:
-        with pytest.raises(lab.PoolBusyError, match=r"busy with the run started at \d\d:\d\d:\d\d \(step \d+/100000\)") \
-                as info:
+        busy = r"busy with the run started at \d\d:\d\d:\d\d \(step \d+/100000\)"
+        with pytest.raises(lab.PoolBusyError, match=busy) as info:
             cluster.run(rank_sum, 0.0, wait=False)
         assert info.value.run is handle
         for refused in (lambda: cluster.push({"x": 1}, wait=False),
