@@ -189,13 +189,15 @@ class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
 
         A multi-target message serialises the call once and ``split()`` gives a future per
         rank; but a one-target message's ``split()`` is the message itself, whose result is
-        a one-element list, so a single rank gets a single-target view instead.
+        a one-element list, so a single rank gets a single-target view instead. ``split`` is
+        called unwrapped: ipyparallel caches it (``lru_cache``), which would keep the last 128
+        calls' futures, and every rank's result with them, alive in a warm pool's driver.
         """
         client = self._source.client
         if len(targets) == 1:
             return {targets[0]: client[self._engine_of(targets[0])].apply_async(fn, *args)}
         submitted = client[[self._engine_of(r) for r in targets]].apply_async(fn, *args)
-        return dict(zip(targets, submitted.split()))
+        return dict(zip(targets, AsyncResult.split.__wrapped__(submitted)))
 
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None, *, wait: bool = True) -> None:
         """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells); ``wait`` as for ``run``."""
