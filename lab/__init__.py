@@ -27,6 +27,7 @@ _HOME = {
     "GPTConfig": "kernels.model",
     "DryRunReport": "lab.dry_run", "dry_run": "lab.dry_run",
     "DeadRankError": "lab.errors", "LabError": "lab.errors", "PoolStoppedError": "lab.errors",
+    "PoolBusyError": "lab.errors",
     "RankError": "lab.errors", "RankTimeoutError": "lab.errors",
     "Experiment": "lab.experiment", "LayoutWarning": "lab.experiment",
     "Parallel": "lab.parallel", "ParallelConfigError": "lab.parallel",

@@ -18,7 +18,8 @@ from ipyparallel import AsyncResult
 
 from kernels import runtime
 from kernels.records import RankMap, RankStatus
-from lab import cluster_render, launch, px_magic
+from lab import cluster_render, launch, lifetime, px_magic
+from lab.busy import PoolOccupancy
 from lab.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.failure_report import FailureReporter
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from widgets import ClusterView
 
 
-class Cluster(WorldKeeper, FailureReporter):
+class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
     """A pool of ranks; use :func:`lab.start` or :func:`lab.connect` to make one."""
 
     network: Any = None  # the simulated hosts' network (lab.testing.hosts); None on a real pool
@@ -56,6 +57,7 @@ class Cluster(WorldKeeper, FailureReporter):
         self._heard: dict[int, float] = {}  # rank -> wall clock of its last progress record (set by lab.run_handle)
         self._sent_code = SentCodeBook()  # the notebook code each call carried: a rank's frames name their cell
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
+        lifetime.stop_on_termination(self)  # SIGTERM/SIGHUP stop the pool as stop() does, then end the driver
         try:
             self._adopt_engines(warn=True)
             # Only a pool the lab started can start engines; an attached pool gets no spares.
@@ -124,7 +126,8 @@ class Cluster(WorldKeeper, FailureReporter):
 
     # ---------------------------------------------------------------- running code
     def run(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
-            timeout: float | None = None, hang_watch: "HangWatch | None" = None, **kwargs: Any) -> Any:
+            timeout: float | None = None, hang_watch: "HangWatch | None" = None, wait: bool = True,
+            **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` on the ranks and return their results.
 
         Returns a list indexed by rank when ``ranks`` is None, else a dict keyed by
@@ -137,7 +140,11 @@ class Cluster(WorldKeeper, FailureReporter):
         With ``hang_watch`` (``lab.hang_report.HangWatch``) a stall ends the call with
         :class:`HangError`, and on a stall, a timeout or an interrupt its ``HangReport``
         is taken before recovery and rides on the error (``err.report``).
+
+        While a run started with ``.start()`` trains, the call waits for it, saying so
+        (``lab.busy``); with ``wait=False`` it raises :class:`PoolBusyError` instead.
         """
+        self._wait_until_free(wait)
         targets = self._targets(ranks)
         # An engine that died between calls (with its whole mpiexec, under MPI) fails the call like a death in one.
         died_idle = {r for r in range(self.world_size) if self._is_dead(r)}
@@ -185,22 +192,26 @@ class Cluster(WorldKeeper, FailureReporter):
 
         A multi-target message serialises the call once and ``split()`` gives a future per
         rank; but a one-target message's ``split()`` is the message itself, whose result is
-        a one-element list, so a single rank gets a single-target view instead.
+        a one-element list, so a single rank gets a single-target view instead. ``split`` is
+        called unwrapped: ipyparallel caches it (``lru_cache``), which would keep the last 128
+        calls' futures, and every rank's result with them, alive in a warm pool's driver.
         """
         client = self._source.client
         if len(targets) == 1:
             return {targets[0]: client[self._engine_of(targets[0])].apply_async(fn, *args)}
         submitted = client[[self._engine_of(r) for r in targets]].apply_async(fn, *args)
-        return dict(zip(targets, submitted.split()))
+        return dict(zip(targets, AsyncResult.split.__wrapped__(submitted)))
 
-    def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
-        """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells)."""
+    def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None, *, wait: bool = True) -> None:
+        """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells); ``wait`` as for ``run``."""
+        self._wait_until_free(wait)
         targets = self._targets(ranks)
         self._sent_code.remember(namespace)
         self._source.client[[self._engine_of(r) for r in targets]].push(namespace, block=True)
 
-    def pull(self, name: str, ranks: Iterable[int] | None = None) -> Any:
-        """Fetch a name's value from each rank: a list by rank, or a dict for ``ranks``."""
+    def pull(self, name: str, ranks: Iterable[int] | None = None, *, wait: bool = True) -> Any:
+        """Fetch a name's value from each rank: a list by rank, or a dict for ``ranks``; ``wait`` as for ``run``."""
+        self._wait_until_free(wait)
         targets = self._targets(ranks)
         values = self._source.client[[self._engine_of(r) for r in targets]].pull(name, block=True)
         return list(values) if ranks is None else dict(zip(targets, values))
@@ -215,31 +226,6 @@ class Cluster(WorldKeeper, FailureReporter):
         px_magic.register(self)
 
     # ------------------------------------------------------------------ lifecycle
-    def restart(self) -> "Cluster":
-        """Replace every engine with a fresh one and rebuild the world from scratch."""
-        self._check_not_stopped()
-        source = self._source
-        if source.ipp_cluster is None:
-            raise LabError("this pool was attached through a url file only; restart its engines with "
-                           "ipcluster, then call lab.connect() again")
-        n = self.world_size
-        old = set(source.client.ids)
-        if source.owned:
-            source.pids |= launch.launched_pids(source.ipp_cluster)
-            source.ipp_cluster.stop_engines_sync()
-            self._kill_leftovers(set(r.pid for r in self._rank_map.ranks))
-            self._standby.forget_all(old)
-            source.ipp_cluster.start_engines_sync(n)
-            source.pids |= launch.launched_pids(source.ipp_cluster)
-        else:
-            source.ipp_cluster.restart_engines_sync()
-        new_ids = self._wait_for_new_engines(n, old)
-        self._dead.clear()
-        self._adopt_engines(new_ids)
-        self._form_world()
-        self._standby.refill()
-        return self
-
     def stop(self) -> None:
         """Tear the world down and stop every process the lab started (checked by PID)."""
         if self._stopped:
@@ -247,7 +233,9 @@ class Cluster(WorldKeeper, FailureReporter):
         self._stopped = True
         for callback in self._on_stop:  # views that offer to run on the pool take their buttons away
             callback()
-        if hasattr(self, "_views") and not self._dead:
+        # Engines the lab started are about to be terminated, their process groups with them; waiting for a rank
+        # that trains to leave its world would only slow a stop that must fit inside a kernel's shutdown.
+        if hasattr(self, "_views") and not self._dead and not self._source.owned:
             try:
                 wait_ranks({r: v.apply_async(runtime.leave_world) for r, v in self._views.items()},
                            self._is_dead, deadline=time.monotonic() + 5, stop_on_failure=False)

@@ -20,7 +20,7 @@ so, and the next call waits for the new engines and forms the world first
 needs a restart.
 
 It works on the Cluster's state (``_source``, ``_rank_map``, ``_views``, ``_dead``,
-``_states``, ``_standby`` ...) and its ``_is_dead``, ``_engine_of`` and ``restart``.
+``_states``, ``_standby`` ...) and its ``_is_dead``, ``_engine_of`` and ``_check_not_stopped``.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 import warnings
-from typing import Iterable
+from typing import Iterable, Self
 
 from kernels import runtime, stack_report
 from kernels.records import EngineInfo, RankMap
@@ -110,6 +110,31 @@ class WorldKeeper:
         everyone.execute("import torch\nimport torch.distributed as dist\ndevice = torch.device(device)", block=True)
         if self._activate and _in_ipython():
             self.activate()
+
+    def restart(self) -> Self:
+        """Replace every engine with a fresh one and rebuild the world from scratch."""
+        self._check_not_stopped()
+        source = self._source
+        if source.ipp_cluster is None:
+            raise LabError("this pool was attached through a url file only; restart its engines with "
+                           "ipcluster, then call lab.connect() again")
+        n = self.world_size
+        old = set(source.client.ids)
+        if source.owned:
+            source.pids |= launch.launched_pids(source.ipp_cluster)
+            source.ipp_cluster.stop_engines_sync()
+            self._kill_leftovers(set(r.pid for r in self._rank_map.ranks))
+            self._standby.forget_all(old)
+            source.ipp_cluster.start_engines_sync(n)
+            source.pids |= launch.launched_pids(source.ipp_cluster)
+        else:
+            source.ipp_cluster.restart_engines_sync()
+        new_ids = self._wait_for_new_engines(n, old)
+        self._dead.clear()
+        self._adopt_engines(new_ids)
+        self._form_world()
+        self._standby.refill()
+        return self
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, out: Outcome, *, interrupt: bool = False) -> Recovery:

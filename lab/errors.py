@@ -130,6 +130,14 @@ class PoolStoppedError(LabError):
     """The pool was stopped (or never started); start a new one with ``lab.start()``."""
 
 
+class PoolBusyError(LabError):
+    """A call asked not to wait (``wait=False``) found the pool training a run started with ``.start()``."""
+
+    def __init__(self, message: str, run: Any) -> None:
+        super().__init__(message)
+        self.run = run  # the RunHandle of the run that holds the pool
+
+
 def _group(failures: Sequence[RankFailure]) -> str:
     """ "ranks 0, 2 (vm) RuntimeError [collateral]; rank 3 (vm) Killed ...": ranks that failed alike, together."""
     groups: dict[tuple[str, str, bool], list[int]] = {}

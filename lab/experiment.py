@@ -140,28 +140,45 @@ class Experiment:
         return self.run_config(return_params=return_params).to_dict()
 
     def run(self, *, timeout: float | None = None, return_params: bool = False, progress: bool = True,
-            log_to: str | None = None) -> RunResult:
+            log_to: str | None = None, wait: bool = True) -> RunResult:
         """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure.
 
         Blocks until the end with a progress bar (tqdm) unless ``progress=False``, which also sends
         no per-step records. ``log_to`` ("tensorboard:DIR" or "wandb") logs every step (``lab.run_logs``).
         With ``resume_from``, the checkpoint is checked here (complete, the model's shapes,
         steps left to run) and training goes on from its step up to ``steps`` in total.
+        While a run started with ``start()`` trains, this waits for it, saying so; with
+        ``wait=False`` it raises ``lab.PoolBusyError`` instead (``lab.busy``).
         """
         if not progress and log_to is None:
             cfg = self._resumed(self.config(return_params=return_params))
-            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout,
+            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout, wait=wait,
                                                  hang_watch=HangWatch(self.cluster, self.hang_after)),
                                 cfg, return_params)
         handle = self._handle(timeout, return_params, log_to)
+        self._claim(handle, wait)
         with run_views.progress_bar(handle, show=progress):
             handle._begin(background=False)  # the call runs here, so an interrupt reaches the pool as always
         return handle.wait()
 
     def start(self, *, timeout: float | None = None, return_params: bool = False,
-              log_to: str | None = None) -> RunHandle:
-        """Start training and return at once: a ``RunHandle`` with ``wait()``, ``done``, ``stop()`` and ``progress``."""
-        return self._handle(timeout, return_params, log_to)._begin(background=True)
+              log_to: str | None = None, wait: bool = True) -> RunHandle:
+        """Start training and return at once: a ``RunHandle`` with ``wait()``, ``done``, ``stop()`` and ``progress``.
+
+        Until it ends, the pool is busy: other calls wait for it (``cluster.busy`` says what runs). A run
+        started while another trains waits for that one first, or with ``wait=False`` raises ``lab.PoolBusyError``.
+        """
+        handle = self._handle(timeout, return_params, log_to)  # a bad log_to is refused here, before any wait
+        self._claim(handle, wait)
+        return handle._begin(background=True)
+
+    def _claim(self, handle: RunHandle, wait: bool) -> None:
+        """Wait until no started run holds the pool (``lab.busy``); a refused or interrupted wait closes ``handle``."""
+        try:
+            self.cluster._wait_until_free(wait)
+        except BaseException:
+            handle._abandon()
+            raise
 
     def _handle(self, timeout: float | None, return_params: bool, log_to: str | None) -> RunHandle:
         loggers = run_logs.open_loggers(log_to, self.config(), self.cluster.world_size)  # bad log_to: before launch

@@ -5,7 +5,8 @@ client: this module starts, finds and stops processes; it knows nothing of ranks
 
 A local pool gets its own profile directory (mode 0700, removed on stop), a
 controller on loopback and signed messages, and the lab records the PID of every
-process it started so that it can later signal exactly those and no others.
+process it started so that it can later signal exactly those and no others. Each of
+those processes also watches this one and ends when it is gone (``lab.lifetime``).
 
 Whatever the source, the driver sends functions with cloudpickle
 (``ship_functions_with_globals``), so a function defined in a notebook carries the
@@ -26,7 +27,7 @@ from pathlib import Path
 import ipyparallel as ipp
 import psutil
 
-from lab import launchers
+from lab import launchers, lifetime
 
 
 @dataclass
@@ -38,6 +39,7 @@ class EngineSource:
     owned: bool  # True when the lab started the processes and may stop or kill them
     profile_dir: str | None = None  # private profile to delete on stop (owned pools only)
     pids: set[int] = field(default_factory=set)  # every process the lab started
+    stopped: bool = False  # set by stop_source: nothing more may be started for this source
 
 
 def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60.0,
@@ -50,6 +52,7 @@ def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60
     """
     profile_dir = tempfile.mkdtemp(prefix="cluster-lab-")  # mkdtemp makes it 0700
     engines, config = launchers.engine_launcher_config(launcher, n, engine_env or {})
+    lifetime.watch_driver(config)  # every process started here ends when this one is gone
     cluster = ipp.Cluster(n=n, profile_dir=profile_dir, controller_ip=controller_ip, config=config,
                           engines=engines, log_level=40, shutdown_atexit=False, engine_timeout=timeout)
     try:
@@ -203,37 +206,41 @@ def signal_pids(pids: set[int], owned: set[int], sig: int) -> None:
             pass
 
 
-def stop_source(source: EngineSource, wait_s: float = 5.0) -> list[int]:
+def stop_source(source: EngineSource, wait_s: float = 1.0) -> list[int]:
     """Stop what the lab started and return the PIDs that had to be killed.
 
-    ipyparallel stops its controller and engines first; any started process still
-    alive after ``wait_s`` is killed by PID. Attached (not owned) pools only lose
-    their client connection.
+    Every started process (controller, engines, nannies, spares) is sent SIGTERM at
+    once, rather than ipyparallel stopping them one launcher after another; any
+    still alive after ``wait_s`` (an engine blocked inside a collective) is killed.
+    The whole stop fits well inside jupyter-server's wait for a kernel to shut down.
+    Attached (not owned) pools only lose their client connection.
     """
+    source.stopped = True
     if source.client is not None:
         source.client.close()
     if not source.owned:
         return []
     if source.ipp_cluster is not None:
         source.pids |= launched_pids(source.ipp_cluster)
-        try:
-            source.ipp_cluster.stop_cluster_sync()
-        except Exception:  # a half-dead cluster may fail to stop cleanly; the PIDs below still go
-            pass
+    signal_pids({p for p in source.pids if is_alive(p)}, source.pids, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(is_alive(p) for p in source.pids):
         time.sleep(0.05)
     killed = [p for p in source.pids if is_alive(p)]
     signal_pids(set(killed), source.pids, signal.SIGKILL)
-    _reap(killed)
+    _reap(source.pids)
     if source.profile_dir:
         shutil.rmtree(source.profile_dir, ignore_errors=True)
     return killed
 
 
-def _reap(pids: list[int]) -> None:
+def _reap(pids: set[int]) -> None:
+    """Collect the exit status of those that are this process's children, so none stays a zombie."""
+    me = os.getpid()
     for pid in pids:
         try:
-            psutil.Process(pid).wait(timeout=2)
+            proc = psutil.Process(pid)
+            if proc.ppid() == me:
+                proc.wait(timeout=2)
         except (psutil.NoSuchProcess, psutil.TimeoutExpired, ChildProcessError):
             pass

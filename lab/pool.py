@@ -28,6 +28,10 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
         launcher: "local" (one child process per engine) or "mpi" (all engines under one
             ``mpiexec``, through ipyparallel's MPI launcher; see ``lab.launchers`` for the
             Open MPI flags it adds). Spares get an ``mpiexec`` of their own.
+
+    Every process started here ends with this one, however it ends: SIGTERM or SIGHUP stop
+    the pool as ``stop()`` does, and after a SIGKILL each process notices within seconds
+    that its driver is gone (``lab.lifetime``).
     """
     n = default_rank_count() if n is None else n
     if n < 1:

@@ -12,7 +12,9 @@ waiting in a collective block the next cell. These magics run the cell through
   up to then, and the world is rebuilt, so the next cell works;
 - ``%%px --timeout S`` interrupts the ranks still running after S seconds and raises
   :class:`~lab.errors.RankTimeoutError` (ipyparallel's magics have no timeout: ipyparallel
-  issue #435); ``%%px --ranks 0,2`` runs on some ranks only.
+  issue #435); ``%%px --ranks 0,2`` runs on some ranks only;
+- while a run started with ``.start()`` trains, the cell waits for it, saying so
+  (``lab.busy``); ``%%px --no-wait`` raises :class:`~lab.errors.PoolBusyError` instead.
 
 ``Cluster.activate()`` binds the magics to a pool; ``lab.start()`` does it when run in IPython.
 """
@@ -79,14 +81,17 @@ class PxMagics(Magics):
                    "the world is rebuilt")
     @argument("--ranks", type=_rank_list, default=None, metavar="R,R",
               help="run on these ranks only, e.g. --ranks 0,2")
+    @argument("--no-wait", action="store_true",
+              help="while a started run trains, raise PoolBusyError instead of waiting for it")
     @cell_magic("px")
     def px_cell(self, line: str, source: str) -> None:
         """Run the cell on the ranks; each rank's output is shown, labelled by rank, when the cell ends."""
         __tracebackhide__ = True
         args = parse_argstring(self.px_cell, line)
-        self.run(source, ranks=args.ranks, timeout=args.timeout)
+        self.run(source, ranks=args.ranks, timeout=args.timeout, wait=not args.no_wait)
 
-    def run(self, source: str, *, ranks: list[int] | None = None, timeout: float | None = None) -> None:
+    def run(self, source: str, *, ranks: list[int] | None = None, timeout: float | None = None,
+            wait: bool = True) -> None:
         """Run IPython ``source`` on ``ranks`` (all by default) and show what each rank wrote."""
         __tracebackhide__ = True  # IPython leaves this frame out of the error it shows for the cell
         if timeout is not None and not timeout > 0:
@@ -100,7 +105,7 @@ class PxMagics(Magics):
         # The ranks' frames name the cell; its lines live here, for the error to show them.
         linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
         try:
-            outputs = cluster.run(cell.run_cell, code, name, ranks=ranks, timeout=timeout)
+            outputs = cluster.run(cell.run_cell, code, name, ranks=ranks, timeout=timeout, wait=wait)
         except RankError as error:
             show(_outputs_before_error(cluster, ranks))
             # The driver's frames (this magic, cluster.run, the recovery) say nothing about the

@@ -58,18 +58,28 @@ class RunHandle:
         self._call_ended = threading.Event()  # the ranks returned: the monitor polls once more and ends
         self._finished = threading.Event()  # ... and the result is complete
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None  # the thread whose cluster.run is this run's training call
         self.started_at = time.time()
         self._monitor = threading.Thread(target=self._watch, name="lab-run-monitor", daemon=True)
 
     # ------------------------------------------------------------------ driving
     def _begin(self, *, background: bool) -> "RunHandle":
         """Start watching, and train on a thread of its own (``start()``) or on this one (``run()``)."""
+        self.started_at = time.time()  # now, not when the handle was made: it may have waited for another run
         self._monitor.start()
         if background:
-            threading.Thread(target=self._train, name="lab-run", daemon=True).start()
+            self._thread = threading.Thread(target=self._train, name="lab-run", daemon=True)
+            self.experiment.cluster._occupy(self)  # until it ends, other cells wait for it (lab.busy)
+            self._thread.start()
         else:
+            self._thread = threading.current_thread()
             self._train()
         return self
+
+    def _abandon(self) -> None:
+        """The run will never begin (its wait for the pool was refused or interrupted): close what follows it."""
+        for callback in self._on_finish:
+            callback()
 
     def _train(self) -> None:
         cluster, result = self.experiment.cluster, None
@@ -88,9 +98,12 @@ class RunHandle:
                 self._result = self._with_progress(result)
             for callback in self._on_finish:
                 callback()
+            cluster._release(self)
             self._finished.set()
 
     def _submitted(self, pending: dict[int, Any]) -> None:
+        if threading.current_thread() is not self._thread:
+            return  # another cell's call (a subset of ranks, say): its records are not this run's
         self._metadata = call_metadata(self.experiment.cluster._source.client, pending)
         self._futures = list(pending.values())
 
@@ -191,6 +204,13 @@ class RunHandle:
         if so_far:
             callback(so_far)
         self._followers.append(callback)
+
+    def unfollow(self, callback: Callable[[list[StepProgress]], None]) -> None:
+        """Stop passing records to ``callback`` (given to ``follow``); unknown callbacks are ignored."""
+        try:
+            self._followers.remove(callback)
+        except ValueError:  # never followed, or already dropped for raising
+            pass
 
     def on_finish(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once the run has ended and its last records were passed on (before ``wait`` returns)."""

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def progress_bar(handle: "RunHandle", show: bool = True) -> Iterator[None]:
+def progress_bar(handle: "RunHandle", show: bool = True, desc: str | None = None) -> Iterator[None]:
     """A tqdm bar (the notebook widget in Jupyter) that counts the steps every rank has finished."""
     if not show:
         yield
@@ -24,7 +24,7 @@ def progress_bar(handle: "RunHandle", show: bool = True) -> Iterator[None]:
     from tqdm.auto import tqdm
 
     steps = handle.config["steps"]
-    bar = tqdm(total=steps, desc=f"training on {handle.world_size} ranks", unit="step")
+    bar = tqdm(total=steps, desc=desc or f"training on {handle.world_size} ranks", unit="step")
     done_by_rank: dict[int, int] = {}
 
     def advance(records: list[StepProgress]) -> None:
@@ -41,6 +41,7 @@ def progress_bar(handle: "RunHandle", show: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
+        handle.unfollow(advance)  # a wait that was interrupted leaves the run going: the closed bar stops following
         bar.close()
 
 

@@ -58,7 +58,8 @@ class Standby:
 
     def launch(self, n: int) -> None:
         """Start ``n`` spare engines without waiting for them to register."""
-        if n <= 0:
+        # A run's recovery on its own thread may still be replacing ranks when the pool is stopped under it.
+        if n <= 0 or self._source.stopped:
             return
         cluster = self._source.ipp_cluster
         set_id = cluster.start_engines_sync(n)

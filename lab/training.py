@@ -176,12 +176,17 @@ class Training:
         training.steps_done = int(meta["step"])
         return training
 
-    def step(self, n: int = 1, *, timeout: float | None = None, return_params: bool = False) -> RunResult:
-        """Train ``n`` more steps on the held state; returns those steps' RunResult (losses of these steps only)."""
+    def step(self, n: int = 1, *, timeout: float | None = None, return_params: bool = False,
+             wait: bool = True) -> RunResult:
+        """Train ``n`` more steps on the held state; returns those steps' RunResult (losses of these steps only).
+
+        ``wait=False`` raises ``lab.PoolBusyError`` while a started run trains, instead of waiting for it.
+        """
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive int (steps to train), got {n!r}")
         cfg = self._run_config(n).to_dict()
-        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout)
+        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout,
+                              wait=wait)
         first = per_rank[0]["first_step"]
         if first != self.steps_done:
             raise LabError(f"the ranks stood at step {first}, the driver at {self.steps_done}: the training was "
@@ -196,9 +201,10 @@ class Training:
             params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
             first_step=first, **found)
 
-    def _call(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def _call(self, fn: Any, *args: Any, timeout: float | None = None, wait: bool = True,
+              **kwargs: Any) -> list[Any]:
         try:
-            return self.cluster.run(fn, *args, timeout=timeout, **kwargs)
+            return self.cluster.run(fn, *args, timeout=timeout, wait=wait, **kwargs)
         except RankError as error:
             if any(f.ename == "TrainingGoneError" for f in error.failures):
                 raise LabError(f"the training {self.key} is no longer on the ranks (closed, or its world was "

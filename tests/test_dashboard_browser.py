@@ -69,3 +69,43 @@ def check_dashboard(tmp_path: Path) -> None:
         page.locator(".cl-dash-head", has_text="finished").first.wait_for(timeout=20_000)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+
+BUSY_STEPS = 300
+BUSY_CELLS = [
+    "import warnings\nimport lab\nwarnings.simplefilter('ignore')\n"
+    "cluster = lab.start(2, spare_engines=0)\n"
+    "exp = lab.Experiment(cluster, lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16), lab.Parallel(dp=2),"
+    f" steps={BUSY_STEPS})\n"
+    "handle = exp.start()\nhandle.dashboard(stale_after=30.0)",
+    "print('second cell:', cluster.run(lambda: rank))",  # waits for the started run, saying so
+    "cluster.stop()\nprint('busy notebook done')",
+]
+
+
+@pytest.mark.slow
+def test_dashboard_updates_while_another_cell_runs_in_jupyterlab(tmp_path):
+    require_browser()
+    try:
+        check_dashboard_while_busy(tmp_path)
+    finally:
+        kill_pool_left_by(tmp_path)
+
+
+def check_dashboard_while_busy(tmp_path: Path) -> None:
+    notebook = write_code_notebook(tmp_path / "src" / "busy_dashboard.ipynb", BUSY_CELLS)
+    with notebook_running(notebook, tmp_path) as page:
+        step_of_rank0 = "Number(document.querySelector('.cl-dash .cl-dash-rank[data-rank=\"0\"]').dataset.step)"
+        page.locator(".cl-dash").first.wait_for(timeout=180_000)
+        wait_for_output(page, "waiting for the run started at", 120, name="busy-dashboard")
+        page.wait_for_function(f"() => {step_of_rank0} >= 0", timeout=120_000)
+        first = page.evaluate(f"() => {step_of_rank0}")
+        page.wait_for_function(f"() => {step_of_rank0} > {first}", timeout=60_000)
+        # the view moved while the second cell was still waiting for the run
+        assert page.locator(".jp-OutputArea-output", has_text="second cell:").count() == 0
+        wait_for_output(page, "busy notebook done", 300, name="busy-dashboard")
+        assert "second cell: [0, 1]" in page.locator(".jp-OutputArea-output", has_text="second cell:").inner_text()
+        head = page.locator(".cl-dash-head").first
+        assert head.inner_text().startswith(f"finished · step {BUSY_STEPS}/{BUSY_STEPS}")
+        steps = page.locator(".cl-dash .cl-dash-rank").evaluate_all("rows => rows.map(r => r.dataset.step)")
+        assert steps == [str(BUSY_STEPS - 1)] * 2  # every step reached the view, though no one watched the end
