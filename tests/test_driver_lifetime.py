@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from kernels import driver_watch
+from tests.launcher_checks import needs_mpi
 from tests.live_kernel import WORKTREE, Kernel, kernel_env
 
 POOL = "lab.start(n=4, backend='gloo', activate=False, spare_engines=1, timeout=120)"
@@ -147,13 +148,13 @@ def test_a_handler_installed_before_the_lab_still_runs_after_the_pools_stop():
 
 
 # ---------------------------------------------------------------------- scripts
-def _script_driver(tmp_path: Path, after_start: str = "") -> tuple[subprocess.Popen, set[int]]:
+def _script_driver(tmp_path: Path, after_start: str = "", pool: str = POOL) -> tuple[subprocess.Popen, set[int]]:
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
         import time, warnings
         import lab
         warnings.simplefilter("ignore")
-        pool = {POOL}
+        pool = {pool}
         {after_start}
         print("READY", flush=True)
         time.sleep(600)
@@ -176,6 +177,19 @@ def test_a_script_driver_ended_by_a_signal_leaves_no_process(tmp_path, sig):
     proc.wait(timeout=30)
     took = wait_for_none(proc.pid, seen, within_s=15)
     print(f"{sig.name}: no lab process left {took:.1f} s after the script ended")
+
+
+@pytest.mark.slow  # starts an MPI pool in a script
+def test_an_mpi_pool_ends_with_its_killed_script_driver(tmp_path):
+    needs_mpi()
+    proc, seen = _script_driver(tmp_path, pool="lab.start(n=2, launcher='mpi', backend='gloo', activate=False, "
+                                              "spare_engines=0, timeout=120)")
+    names = {psutil.Process(p).name() for p in seen if psutil.pid_exists(p)}
+    assert "mpiexec" in names, names  # the engines run under one mpiexec, not as the driver's children
+    proc.kill()
+    proc.wait(timeout=30)
+    took = wait_for_none(proc.pid, seen, within_s=15)
+    print(f"MPI pool: no lab process left {took:.1f} s after the script was killed")
 
 
 @pytest.mark.slow  # starts ipcluster engines and a script that attaches to them
