@@ -139,3 +139,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+class FastTierClock:
+    """Adds up the time of the tests not marked slow, so every full run says how long the fast tier took.
+
+    Summed setup, call and teardown: a shared pool started by a slow test is not counted, one started by a
+    fast test is. It tracks a separate ``pytest -m "not slow"`` run to within that pool start (10-20 s).
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.tests: set[str] = set()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if "slow" not in report.keywords:
+            self.seconds += report.duration
+            self.tests.add(report.nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.tests:
+            terminalreporter.write_line(f"fast tier (the tests not marked slow): {len(self.tests)} tests, "
+                                        f"{self.seconds:.0f} s of setup, call and teardown (goal: under 240 s)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(FastTierClock(), "fast-tier-clock")
