@@ -39,11 +39,13 @@ class FailureReporter:
             report = hang_watch.capture(f"no progress for {hang_watch.hang_after:g} s (hang_after)" if out.stalled
                                         else f"the {timeout:g} s timeout")
         rank_map = self._rank_map  # the PIDs that failed, before recovery replaces any
-        at_deadline = self._stacks_now(set(out.pending)) if timed_out else {}  # frames restored, as all below
+        at_deadline = self._stacks_now(set(out.pending)) if timed_out else {}
         skipped = set(out.results) if timed_out else set()  # returned while others still ran
         recovery = self._recover(out, interrupt=timed_out)
-        asked = self._ask(stack_report.read_dump, {r for r, f in at_deadline.items() if f is None}, recovery)
-        at_deadline.update({r: self._sent_code.restore(f) for r, f in asked.items() if f is not None})
+        at_deadline.update(self._ask(stack_report.read_dump, {r for r, f in at_deadline.items() if f is None},
+                                     recovery))
+        # Dumped stacks, read here or asked for, name notebook frames by what the driver sent.
+        at_deadline = {r: (self._sent_code.restore(f) if f else f) for r, f in at_deadline.items()}
         raised = self._failure_frames(out, recovery)
         late = {r: (frame_view.collective_of(f) if f else None) for r, f in at_deadline.items()}
         if report is not None:  # a rank blocked in C++ (DDP's reducer) has no dist frame; its log says where
@@ -87,12 +89,7 @@ class FailureReporter:
         while any(_size(path) <= sizes[r] for r, path in paths.items()) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.02)  # the handler writes thread by thread; let it finish
-        return {r: (self._dumped_frames(pids[r], directory) if r in paths else None) for r in ranks}
-
-    def _dumped_frames(self, pid: int, directory: str) -> list[Frame] | None:
-        """A rank's dumped stack (``stack_report.read_dump``), its notebook frames named by what the driver sent."""
-        frames = stack_report.read_dump(pid, directory)
-        return None if frames is None else self._sent_code.restore(frames)
+        return {r: (stack_report.read_dump(pids[r], directory) if r in paths else None) for r in ranks}
 
     def _failure_frames(self, out: Outcome, recovery: Recovery) -> dict[int, list[Frame]]:
         """The frames of each rank's exception, from the rank itself, when it is the exception the driver got."""
