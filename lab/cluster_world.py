@@ -6,7 +6,8 @@ and recovers from a failed call (``_recover``):
 
 1. ranks that already returned leave the world, so peers waiting on them fail at once;
 2. the other ranks get a grace period to fail on their own (a failing rank's guard
-   closes its connections, so its peers fail within a second or so);
+   closes its connections, so its peers fail within a second or so), counted from
+   when the last of them began the call (``kernels.runtime.CALL_BEGUN_KEY``);
 3. ranks still running are sent SIGINT;
 4. ranks wedged even then (blocked inside a collective whose peers are all alive) are
    killed, only if the lab started their engines;
@@ -37,9 +38,10 @@ from lab import launch
 from lab.errors import LabError, RankError, Recovery, rank_list
 from lab.rank_map import build_rank_map
 from lab.standby import engine_info
-from lab.supervise import Outcome, describe_failures, wait_ranks
+from lab.supervise import Outcome, call_metadata, describe_failures, wait_ranks
 
-GRACE_S = 1.0  # how long peers get to fail on their own once one rank has failed
+GRACE_S = 1.0  # how long peers get to fail on their own once one rank has failed (and has begun the call)
+BEGIN_WAIT_S = 20.0  # how long a rank that has not begun the failed call gets to begin it
 INTERRUPT_S = 1.5  # how long a rank gets to return after SIGINT before it counts as wedged
 SPARE_WAIT_S = 1.0  # how long recovery waits for a spare still warming up; lost ranks beyond wait for the next call
 
@@ -146,7 +148,7 @@ class WorldKeeper:
         """
         self._release_waiters(out)
         if out.pending and not interrupt:
-            wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
+            self._let_peers_fail(out)
         interrupted = tuple(sorted(out.pending))
         if out.pending:
             self._signal_ranks(set(out.pending), signal.SIGINT)
@@ -187,6 +189,20 @@ class WorldKeeper:
                            f"{self._timeout:g} s; call cluster.restart() to start over")
         self._form_world()
         self._states = {}
+
+    def _let_peers_fail(self, out: Outcome) -> None:
+        """Wait ``GRACE_S`` for the ranks still running to fail on their own, and longer for any not yet begun.
+
+        On an oversubscribed machine a rank may not have begun the call when a peer
+        fails; interrupting it then would lose what its cell was about to write.
+        """
+        metadata = call_metadata(self._source.client, out.pending)
+        begun_by = time.monotonic() + BEGIN_WAIT_S
+        while out.pending:
+            not_begun = {r for r in out.pending if runtime.CALL_BEGUN_KEY not in metadata[r]["data"]}
+            wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
+            if not (not_begun & out.pending.keys()) or time.monotonic() >= begun_by:
+                return
 
     def _release_waiters(self, out: Outcome) -> None:
         """Ranks that returned leave the world, closing their connections, so ranks still waiting on them fail."""

@@ -93,6 +93,30 @@ def test_a_rank_raising_before_a_collective_gives_rank_error_after_every_ranks_o
     assert px(all_reduce_cell("1.0")).stdout.count("Out: tensor([4., 4., 4., 4.])") == 4
 
 
+def busy_deaf_to_interrupts(seconds: float) -> None:
+    """Keep an engine busy, ignoring SIGINT, as a task the lab did not send might."""
+    import signal
+    import time
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_rank_that_begins_the_cell_after_a_peer_failed_is_not_interrupted_and_its_output_is_shown(px, cluster):
+    # Rank 2 begins the cell 4 s late, as on a machine whose scheduler has not run it yet
+    # when rank 3 fails: it is given time to begin and fail on its own in the all-reduce,
+    # rather than be interrupted (here: be found deaf to SIGINT and killed) before its first line.
+    cluster._source.client[cluster.rank_map.ranks[2].engine_id].apply_async(busy_deaf_to_interrupts, 4.0)
+    with capture_output() as out, pytest.raises(lab.RankError) as caught:
+        InteractiveShell.instance().run_cell_magic(
+            "px", "", "print('before', rank)\nif rank == 3:\n    raise ValueError('rank 3 gives up')\n"
+                      "u = torch.ones(1)\ndist.all_reduce(u)")
+    assert caught.value.rank == 3 and not caught.value.recovery.killed
+    assert out.stdout.splitlines() == [f"[rank {r}] before {r}" for r in range(4)]
+
+
 def test_px_timeout_interrupts_the_ranks_within_the_timeout_and_next_cell_works(px):
     began = time.monotonic()
     with pytest.raises(lab.RankTimeoutError) as caught:
