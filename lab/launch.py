@@ -29,6 +29,8 @@ import psutil
 
 from lab import launchers, lifetime
 
+KILL_WAIT_S = 10.0  # how long stop waits for killed processes to be gone (torn down by the kernel)
+
 
 @dataclass
 class EngineSource:
@@ -228,6 +230,12 @@ def stop_source(source: EngineSource, wait_s: float = 1.0) -> list[int]:
         time.sleep(0.05)
     killed = [p for p in source.pids if is_alive(p)]
     signal_pids(set(killed), source.pids, signal.SIGKILL)
+    # A killed process lives on until the kernel has torn it down (longer for a big one,
+    # on a loaded machine): stop returns only once none of them runs.
+    deadline = time.monotonic() + KILL_WAIT_S
+    while killed and time.monotonic() < deadline and any(is_alive(p) for p in killed):
+        _reap(set(killed))
+        time.sleep(0.02)
     _reap(source.pids)
     if source.profile_dir:
         shutil.rmtree(source.profile_dir, ignore_errors=True)
