@@ -30,9 +30,9 @@ import torch
 
 import lab
 from checkpoint_relayout import relayout_vs_torchrun, report
-from kernels.checkpoint import load_checkpoint
-from kernels.model import GPT, GPTConfig
-from kernels.train import train_rank
+from kernels.checkpoint.save_load import load_checkpoint
+from kernels.model.gpt import GPT, GPTConfig
+from kernels.train.entry import train_rank
 
 LAYOUTS = {"DP4": dict(dp=4), "ZeRO-3 DP4": dict(dp=4, zero=3), "PP2xTP2": dict(pp=2, tp=2, microbatches=2)}
 

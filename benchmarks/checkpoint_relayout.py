@@ -5,7 +5,7 @@ The same model is trained 2 steps under DP4 and saved. Then, measured in one run
 1. ``Training.relayout(TP2×DP2 ZeRO-3)`` on the warm pool (the old layout writes its state with
    DCP to memory-backed /dev/shm, the new one is built on the same engines and reads it back),
    median of ``--repeats`` (each timed hop DP4 → TP2×DP2 follows an untimed hop back);
-2. a fresh ``torchrun`` launch of ``kernels.train`` under TP2×DP2 ZeRO-3 that resumes from the
+2. a fresh ``torchrun`` launch of ``kernels.train.entry`` under TP2×DP2 ZeRO-3 that resumes from the
    saved checkpoint and trains one step, process start to exit (what changing the layout costs
    without a warm pool), median of ``--repeats``; beside it the lab's relayout plus that one step.
 

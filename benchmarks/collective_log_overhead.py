@@ -1,7 +1,7 @@
 """What the collective log costs a training step: per state write, and a DP step with the log on against off.
 
 Every run of ``lab.Experiment`` publishes each rank's collectives and actions
-(``kernels.rank_watch`` into ``kernels.collective_log``), so that a hang can be
+(``kernels.watch.rank_watch`` into ``kernels.watch.collective_log``), so that a hang can be
 diagnosed while ranks are blocked. Two figures:
 
 1. one state write (a collective's entry or exit, or an action), median over many, in
@@ -22,8 +22,8 @@ import time
 import warnings
 
 import lab
-from kernels.collective_log import CollectiveLog
-from kernels.train import train_rank
+from kernels.watch.collective_log import CollectiveLog
+from kernels.train.entry import train_rank
 
 MODEL = lab.GPT(layers=4, d_model=128, heads=4, vocab=256, seq_len=64)
 STEPS = 6

@@ -1,6 +1,6 @@
 """One GPU: the lab's training step against plain torch eager, on a GPT of 219M parameters, in one run.
 
-Shape: GPT L12 D1024 H16 V32768 S1024, global batch 16 (``kernels.model``'s GPT, so both
+Shape: GPT L12 D1024 H16 V32768 S1024, global batch 16 (``kernels.model.gpt``'s GPT, so both
 sides train the same model). Three measurements, each the median step time after warm-up:
 
 1. **plain torch** (the baseline): one process, no torch.distributed; bf16 autocast, fused
@@ -41,8 +41,8 @@ def flops_per_step(params: int) -> float:
 
 def plain_torch(steps: int, warmup: int) -> tuple[float, int]:
     """(median seconds per step, parameter count) of the plain single-GPU loop."""
-    from kernels.data import SyntheticTokens
-    from kernels.model import GPTConfig, build_gpt, loss_fn
+    from kernels.train.data import SyntheticTokens
+    from kernels.model.gpt import GPTConfig, build_gpt, loss_fn
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     device = torch.device("cuda", 0)

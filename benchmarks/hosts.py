@@ -2,7 +2,7 @@
 
 On 2 simulated hosts × 2 ranks (``lab.testing.hosts``, needs root) with the link between
 hosts capped by ``tc`` (default 0.2 Gbit/s), the same model trains as DP2×TP2 twice
-(``lab.placement.compare_tp_placement``):
+(``lab.measure.placement.compare_tp_placement``):
 
 - "TP inside hosts": the default mesh order (pp, dp, tp): each tp pair on one host, the
   dp all-reduce crosses the link;
@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 
-from lab.placement import PLACEMENTS, compare_tp_placement
+from lab.measure.placement import PLACEMENTS, compare_tp_placement
 from lab.testing import hosts
 
 MODEL = {"layers": 2, "d_model": 64, "heads": 4, "d_ff": 128, "vocab": 64, "seq_len": 128}

@@ -2,7 +2,7 @@
 
 1. Latency of a no-op on every rank: ``cluster.run(noop)`` vs ``DirectView.apply_sync(noop)``
    on the same engines, interleaved so both see the same machine load (goal ≤ 1.2×). The lab
-   sends with cloudpickle (``lab.launch.ship_functions_with_globals``), raw ipyparallel with
+   sends with cloudpickle (``lab.pool.launch.ship_functions_with_globals``), raw ipyparallel with
    its stock pickle; raw ipyparallel with cloudpickle is timed too, to show what the
    serializer alone costs. ``noop`` is defined in ``__main__`` here, as a notebook's
    functions are, so cloudpickle ships it by value.

@@ -32,9 +32,9 @@ def reporter_seconds(calls: int) -> float:
     """
     import torch
 
-    from kernels.progress import engine_publisher, ProgressReporter
+    from kernels.watch.progress import engine_publisher, ProgressReporter
 
-    class Marks:  # a finished step's clock marks, as kernels.train_loop.StepClock keeps them on the CPU
+    class Marks:  # a finished step's clock marks, as kernels.train.train_loop.StepClock keeps them on the CPU
         marks = [[0.0, 0.01]] * calls
 
     reporter = ProgressReporter(calls + 1, 1024, torch.device("cpu"), publish=engine_publisher())

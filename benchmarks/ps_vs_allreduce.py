@@ -20,7 +20,7 @@ import statistics
 import warnings
 
 import lab
-from lab.ps_result import allreduce_bytes_per_rank
+from lab.ps.ps_result import allreduce_bytes_per_rank
 
 MODEL = lab.GPT(layers=2, d_model=128, heads=4, vocab=256, seq_len=32)
 GLOBAL_BATCH, WARMUP = 12, 2

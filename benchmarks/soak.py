@@ -95,7 +95,7 @@ def leftovers(driver: int, seen: set[int]) -> list[int]:
     alive = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if proc.pid in seen or ("kernels.driver_watch" in cmd and str(driver) in cmd):
+        if proc.pid in seen or ("kernels.engine.driver_watch" in cmd and str(driver) in cmd):
             try:
                 if proc.status() != psutil.STATUS_ZOMBIE:
                     alive.append(proc.pid)

@@ -1,4 +1,4 @@
-"""The torchrun side of benchmarks/vs_torchrun.py: the same ``kernels.train.train_rank``, launched by torchrun.
+"""The torchrun side of benchmarks/vs_torchrun.py: the same ``kernels.train.entry.train_rank``, launched by torchrun.
 
 Usage: ``torchrun --nproc-per-node N benchmarks/torchrun_job.py CONFIG.json OUT_PREFIX``;
 each rank writes OUT_PREFIX.rank<r>.json with its records.
@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from kernels.train import train_rank
+from kernels.train.entry import train_rank
 
 
 def main() -> None:

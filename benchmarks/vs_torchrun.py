@@ -4,7 +4,7 @@ For PP2×DP2 and TP2×DP2 (4 CPU ranks, gloo):
 
 1. Steady-state step time: median over steps (after warm-up) of the slowest rank's
    step time, through ``lab.Experiment.run`` on a warm pool vs the same
-   ``kernels.train`` under ``torchrun`` (goal: lab ≤ 1.05×), twice: each tool with its
+   ``kernels.train.entry`` under ``torchrun`` (goal: lab ≤ 1.05×), twice: each tool with its
    own thread default (the lab's ``threads_per_rank``, torchrun's ``OMP_NUM_THREADS``),
    and both with cores // 4 threads per rank (the same run again where that is 1).
 2. Time from "new Parallel settings" to "first step done": a one-step

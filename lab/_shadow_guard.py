@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 _OWN_ROOT = Path(__file__).resolve().parent.parent
-_MARKERS = {"kernels": "runtime.py", "widgets": "__init__.py"}
+_MARKERS = {"kernels": "engine/runtime.py", "widgets": "__init__.py"}
 
 
 class ShadowedPackageError(ImportError):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 # torch and the pool are imported inside the commands: `cluster-lab --help` and a bad
 # command line answer at once instead of after torch's import.
 if TYPE_CHECKING:
-    from lab.cluster import Cluster
+    from lab.pool.cluster import Cluster
 
 DESCRIPTION = ("Start a pool of torch.distributed ranks and check it: 'demo' runs every collective against "
                "hand-computed values, then trains a GPT beside one process; 'info' prints the rank table.")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.collectives import collective_inputs, run_collectives
-from lab.cluster import Cluster
-from lab.experiment import Experiment
-from lab.parallel import Parallel
-from lab.run_result import RunResult
+from kernels.engine.collectives import collective_inputs, run_collectives
+from lab.pool.cluster import Cluster
+from lab.run.experiment import Experiment
+from lab.run.parallel import Parallel
+from lab.run.run_result import RunResult
 
 DEMO_MODEL = dict(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
 
@@ -64,7 +64,7 @@ def demo_layout(world: int) -> Parallel:
 
 def train_demo(cluster: Cluster, steps: int = 5) -> tuple[Parallel, RunResult, RunResult]:
     """Train the demo GPT under ``demo_layout`` on the ranks and in one process."""
-    from kernels.model import GPTConfig
+    from kernels.model.gpt import GPTConfig
 
     parallel = demo_layout(cluster.world_size)
     global_batch = 4 * parallel.dp * parallel.num_microbatches

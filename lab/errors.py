@@ -1,7 +1,7 @@
 """Errors the driver raises, each naming the ranks and hosts involved and what the lab did to recover.
 
 A ``RankError`` reads top down: which rank failed, on which host, with which exception;
-the user's own frame with its source lines (``lab.frames``); the other ranks in one line;
+the user's own frame with its source lines (``lab.pool.frames``); the other ranks in one line;
 what recovery did (ranks interrupted, killed or replaced, with their new PIDs) and
 whether the next call just works. Library and lab frames are left out; the full remote
 traceback is ``err.remote_traceback``, and every rank's is ``err.failures[i].traceback``.
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.records import RankFailure
+from kernels.contract.records import RankFailure
 
 
 _SAID_BY_LAB = ("Timeout", "Killed", "EngineDied")  # failures the lab describes itself: their message says more

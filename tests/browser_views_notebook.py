@@ -21,8 +21,8 @@ PERF_MARK = "widget state bytes:"  # the line the test parses: json {"state_byte
 PERF_RENDERS = 3
 
 RANK_CELLS = [
-    ("import warnings\nimport lab\nfrom kernels.collectives import run_collectives\n"
-     "from lab.measure import measure_layout\n"
+    ("import warnings\nimport lab\nfrom kernels.engine.collectives import run_collectives\n"
+     "from lab.measure.memory_and_comm import measure_layout\n"
      "from widgets import CollectiveView, MemoryView, ShardingView\n"
      "warnings.simplefilter('ignore', lab.OversubscribedWarning)  # 4 ranks on a 2-core machine\n"
      "cluster = lab.start(n=4, backend='gloo', timeout=120)"),

@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 import lab
-from kernels.layout_rules import FSDP_STRATEGIES, SCHEDULES
+from kernels.contract.layout_rules import FSDP_STRATEGIES, SCHEDULES
 
 # Values a user might pass by mistake: a float for an int, a string, None, a bool, out of range.
 ODD_SIZES = [0, -1, 2.0, "2", None, True, 1.5]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lab
-from lab import launch
+from lab.pool import launch
 
 PROBE_TIMEOUT_S = 30  # the probe all_reduce of one number takes well under a second, even on two loaded cores
 

@@ -6,7 +6,7 @@ import psutil
 import pytest
 
 import lab
-from lab import launchers
+from lab.pool import launchers
 
 TINY = lab.GPT(layers=2, d_model=16, heads=2, vocab=32, seq_len=8)
 

@@ -103,13 +103,13 @@ TRACE_MODEL = {"d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8}  # tiny: th
 
 
 def traced_pipeline_rank(case: dict) -> dict:
-    """One rank's trace record of a pipeline step run by the real loop (``kernels.train.train_rank``).
+    """One rank's trace record of a pipeline step run by the real loop (``kernels.train.entry.train_rank``).
 
     ``case``: schedule, pp, dp (default world // pp), microbatches, optional stages_per_rank and
     synthetic_forward_s. One untraced step (it also infers the p2p shapes), then the traced one.
     """
-    from kernels.layout_rules import default_stages_per_rank
-    from kernels.train import train_rank
+    from kernels.contract.layout_rules import default_stages_per_rank
+    from kernels.train.entry import train_rank
 
     pp, schedule = case["pp"], case["schedule"]
     dp = case.get("dp", dist.get_world_size() // pp)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kernels.activation_parts import PARTS, PartTracker, part_of
-from kernels.activation_rules import SOURCE, predicted_parts
-from kernels.memory import SavedActivations
-from kernels.model import GPTConfig, build_gpt, loss_fn
-from lab.measure import memory_records
+from kernels.measure.activation_parts import PARTS, PartTracker, part_of
+from kernels.contract.activation_rules import SOURCE, predicted_parts
+from kernels.measure.memory import SavedActivations
+from kernels.model.gpt import GPTConfig, build_gpt, loss_fn
+from lab.measure.memory_and_comm import memory_records
 from tests.test_widgets_timeline import mem_records, memory_rank_record
 from widgets.memory_view import _memory_state
 
@@ -59,7 +59,7 @@ def test_parts_are_named_by_module_kind_and_a_wrapped_class_keeps_its_part():
 
 
 def test_the_memory_view_shows_parts_as_a_table_not_as_more_bars():
-    records = mem_records()  # lab.measure.memory_records of snapshots holding activation_parts
+    records = mem_records()  # lab.measure.memory_and_comm.memory_records of snapshots holding activation_parts
     plain = _memory_state([r for r in records if not r["category"].startswith("activations.")])
     state = _memory_state(records)
     for rank, bar in enumerate(state["bars"]["peak_fwd_bwd"]):

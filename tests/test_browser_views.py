@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from lab.timeline import bubble
+from lab.measure.timeline import bubble
 from tests.browser_views_notebook import (
     GALLERY_DONE,
     MICROBATCHES,

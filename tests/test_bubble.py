@@ -1,7 +1,7 @@
 """Measured pipeline bubbles match theory in synthetic-cost mode (docs/design.md#bubble-ratio, issue "Measured, not drawn").
 
 Four spawned gloo ranks (no ipyparallel) trace a step of the real training loop
-(``tests.spawned_ranks.traced_pipeline_rank``: ``kernels.train.train_rank`` with trace on)
+(``tests.spawned_ranks.traced_pipeline_rank``: ``kernels.train.entry.train_rank`` with trace on)
 with every action padded to a fixed cost: F = t, B = 2t (I = W = t when split), t per
 rank-share of the model. p=4 is one pipeline over the 4 ranks; p=2 is PP2 x DP2 (two
 pipelines side by side, makespan over all 4 ranks). What the measurement adds beyond
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.timeline import bubble_from_records
+from lab.measure.timeline import bubble_from_records
 from tests.spawned_ranks import pooled_runner, traced_pipeline_rank
 
 WORLD = 4

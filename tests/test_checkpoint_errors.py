@@ -15,8 +15,8 @@ import warnings
 import pytest
 
 import lab
-from kernels.checkpoint_files import PARTIAL_SUFFIX, step_dir
-from kernels.train import train_rank
+from kernels.checkpoint.files import PARTIAL_SUFFIX, step_dir
+from kernels.train.entry import train_rank
 
 MODEL = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16}
 
@@ -107,8 +107,8 @@ def test_exported_weights_load_into_another_layout_like_into_one_process(cluster
     out = lab.export(lab.checkpoints(root)[-1], tmp_path / "model.safetensors")
     from safetensors import safe_open
 
-    from kernels.model import build_gpt, model_config
-    from kernels.run_config import RunConfig
+    from kernels.model.gpt import build_gpt, model_config
+    from kernels.contract.run_config import RunConfig
 
     with safe_open(str(out), "pt") as f:
         assert sorted(f.keys()) == sorted(build_gpt(model_config(RunConfig(model=MODEL))).state_dict())

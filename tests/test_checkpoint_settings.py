@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.checkpoint import SHARED_SETTINGS, load_checkpoint, save_checkpoint, shared_settings
-from kernels.checkpoint_files import CheckpointMissingError, tensor_shapes
-from kernels.model import GPTConfig, build_gpt
+from kernels.checkpoint.save_load import SHARED_SETTINGS, load_checkpoint, save_checkpoint, shared_settings
+from kernels.checkpoint.files import CheckpointMissingError, tensor_shapes
+from kernels.model.gpt import GPTConfig, build_gpt
 
 CONFIG = GPTConfig(layers=1, d_model=16, heads=2, d_ff=32, vocab=32, seq_len=8)
 

@@ -48,7 +48,7 @@ def test_help_answers_within_half_a_second_in_plain_text():
 def test_help_and_parsing_import_neither_torch_nor_the_pool():
     probe = ("import sys, lab.cli\n"
              "try:\n    lab.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('torch', 'lab.cluster', 'lab.demo', 'kernels') if m in sys.modules))")
+             "print(sorted(m for m in ('torch', 'lab.pool.cluster', 'lab.demo', 'kernels') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
@@ -135,7 +135,7 @@ def train_recording_warnings(cfg: dict) -> list[str]:
     """On a rank: ``train_rank(cfg)``, returning every warning it raised."""
     import warnings
 
-    from kernels.train import train_rank
+    from kernels.train.entry import train_rank
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

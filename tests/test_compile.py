@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lab
-from kernels.run_config import RunConfig
+from kernels.contract.run_config import RunConfig
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 LAYOUTS = {
@@ -33,7 +33,7 @@ def test_compile_must_be_a_bool_before_anything_launches():
 
 @pytest.mark.slow
 def test_compiled_blocks_keep_their_parameter_names_and_compute_what_eager_does(one_thread):
-    from kernels.model import GPTConfig, build_gpt, loss_fn
+    from kernels.model.gpt import GPTConfig, build_gpt, loss_fn
     from kernels.parallel.compile_blocks import apply_compile
 
     cfg = GPTConfig(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)

@@ -2,8 +2,8 @@
 
 The table holds the odd configurations a user probe found (raw TypeErrors, failures on the
 ranks, loose acceptance of ``2.0``, ``"yes"`` or ``1``) and one case for each rule of
-``kernels.config_rules``; the properties draw configurations with Hypothesis
-(``tests.config_draws``). A refusal must name a rule of ``lab.parallel.RULES`` in its message
+``kernels.contract.config_rules``; the properties draw configurations with Hypothesis
+(``tests.config_draws``). A refusal must name a rule of ``lab.run.parallel.RULES`` in its message
 and must come before anything is sent: the pool it is built on records every call.
 """
 from __future__ import annotations
@@ -19,16 +19,16 @@ import torch
 from hypothesis import HealthCheck, Phase, event, given, settings
 
 import lab
-from kernels import config_rules, layout_rules
-from kernels.config_rules import ConfigError
-from kernels.data import _BRANCH_WEIGHTS, dataset
-from kernels.model import GPT, model_config
-from kernels.optimizer import build_optimizer
-from kernels.run_config import RunConfig
-from kernels.synthetic import SyntheticCost
-from kernels.train import dims_and_strategy
-from lab.parallel import RULES
-from lab.run_logs import open_loggers
+from kernels.contract import config_rules, layout_rules
+from kernels.contract.config_rules import ConfigError
+from kernels.train.data import _BRANCH_WEIGHTS, dataset
+from kernels.model.gpt import GPT, model_config
+from kernels.train.optimizer import build_optimizer
+from kernels.contract.run_config import RunConfig
+from kernels.measure.synthetic import SyntheticCost
+from kernels.train.entry import dims_and_strategy
+from lab.run.parallel import RULES
+from lab.run.run_logs import open_loggers
 from tests.config_draws import WORLD, RecordingPool, any_config, build, runnable_config
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16}

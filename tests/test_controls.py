@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import lab
-from lab.controls import Controls
+from lab.run.controls import Controls
 from tests.conftest import start_pool
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)

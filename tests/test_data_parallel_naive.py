@@ -1,7 +1,7 @@
 """The hand-written gradient averaging (teaching twin) equals DDP and the one-process gradient."""
 from __future__ import annotations
 
-from kernels.data_parallel_naive import compare_gradient_averaging
+from kernels.train.data_parallel_naive import compare_gradient_averaging
 
 CFG = {"model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16}, "global_batch": 8}
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import lab
-from lab import launch
+from lab.pool import launch
 from tests.launcher_checks import rank_sum
 
 

@@ -2,7 +2,7 @@
 
 The kernel tests drive a real IPython kernel through ``jupyter_client``, as JupyterLab does; the script tests run a
 real Python script that starts a pool. Each counts the lab's processes by what they are: every descendant of the
-driver seen while it ran, and every process whose command names the driver's PID to ``kernels.driver_watch`` (the
+driver seen while it ran, and every process whose command names the driver's PID to ``kernels.engine.driver_watch`` (the
 command of everything the lab starts), so a spare started a moment before the death is counted too.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kernels import driver_watch
+from kernels.engine import driver_watch
 from tests.launcher_checks import needs_mpi
 from tests.live_kernel import WORKTREE, Kernel, kernel_env
 
@@ -30,7 +30,7 @@ def lab_processes(driver: int, seen: set[int]) -> list[psutil.Process]:
     found = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if proc.pid in seen or ("kernels.driver_watch" in cmd and str(driver) in cmd):
+        if proc.pid in seen or ("kernels.engine.driver_watch" in cmd and str(driver) in cmd):
             found[proc.pid] = proc
     alive = []
     for proc in found.values():
@@ -69,7 +69,7 @@ def test_a_watched_process_and_its_forks_end_when_the_driver_is_gone():
     started = psutil.Process(driver.pid).create_time()
     folder = _target_dir(program)
     env = {**kernel_env(), "PYTHONPATH": os.pathsep.join([folder, kernel_env()["PYTHONPATH"]])}
-    watched = subprocess.Popen([sys.executable, "-m", "kernels.driver_watch", str(driver.pid), repr(started),
+    watched = subprocess.Popen([sys.executable, "-m", "kernels.engine.driver_watch", str(driver.pid), repr(started),
                                 "runpy_target"], env=env, stdout=subprocess.PIPE, cwd=WORKTREE)
     forked = int(watched.stdout.readline())
     try:
@@ -107,7 +107,7 @@ def test_a_reused_pid_is_not_the_driver():
 def test_a_terminating_signal_stops_every_pool_then_ends_the_process_as_before(sig):
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from lab import lifetime
+        from lab.pool import lifetime
 
         class Pool:
             def __init__(self, name):
@@ -130,7 +130,7 @@ def test_a_terminating_signal_stops_every_pool_then_ends_the_process_as_before(s
 def test_a_handler_installed_before_the_lab_still_runs_after_the_pools_stop():
     script = textwrap.dedent("""
         import os, signal
-        from lab import lifetime
+        from lab.pool import lifetime
 
         class Pool:
             def stop(self):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lab.dry_run import DryRunReport, dry_run, run_rank_subprocess
-from lab.plan_models import PRESETS
-from lab.planner import plan
+from lab.planning.dry_run import DryRunReport, dry_run, run_rank_subprocess
+from lab.planning.plan_models import PRESETS
+from lab.planning.planner import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"name": "tiny-llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 256,
@@ -74,7 +74,7 @@ def test_llama31_405b_rank0_tp8_pp16_dp8_shard_equals_shape_arithmetic():
 
 
 def _tp_dim(name: str) -> int | None:
-    """Which tensor dim TP splits (the plan in kernels.dry_run): 0 colwise/embedding, 1 rowwise."""
+    """Which tensor dim TP splits (the plan in kernels.measure.dry_run): 0 colwise/embedding, 1 rowwise."""
     if re.search(r"(attn\.[qkv]|mlp\.gate|mlp\.up)\.weight$|^tok_emb|^lm_head", name):
         return 0
     if re.search(r"(attn\.o|mlp\.down)\.weight$", name):
@@ -86,7 +86,7 @@ def _chunked_bytes(dims: dict[str, int], coords: dict[str, int]) -> int:
     """Shard bytes from real tensors and torch.chunk (FSDP2's dim-0 rule): no fake PG, no DTensor."""
     import torch
 
-    from kernels.llama import build_llama, keep_layers
+    from kernels.model.llama import build_llama, keep_layers
 
     model = keep_layers(build_llama(TINY, device="cpu", dtype=torch.bfloat16), coords["pp"], dims["pp"])
     total = 0
@@ -153,7 +153,7 @@ def test_bad_layouts_are_refused_before_and_in_the_rank_process():
 def test_tiny_llama_runs_forward_on_real_tensors():
     import torch
 
-    from kernels.llama import build_llama, count_parameters
+    from kernels.model.llama import build_llama, count_parameters
 
     model = build_llama(TINY, device="cpu", dtype=torch.float32)
     logits = model(torch.randint(0, 256, (2, 16)))
@@ -162,7 +162,7 @@ def test_tiny_llama_runs_forward_on_real_tensors():
 
 
 def test_rank_side_modules_stay_small_and_never_import_lab():
-    for name in ("kernels/llama.py", "kernels/dry_run.py"):
+    for name in ("kernels/model/llama.py", "kernels/measure/dry_run.py"):
         source = (ROOT / name).read_text()
         assert not re.search(r"^\s*(from|import)\s+(lab|widgets)\b", source, re.M), name
         assert len(source.splitlines()) <= 300, name

@@ -9,7 +9,7 @@ import pytest
 import lab
 from kernels.parallel.mesh import ParallelDims
 from kernels.parallel.strategy import resolve_strategy
-from kernels.run_config import RunConfig
+from kernels.contract.run_config import RunConfig
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 

@@ -14,12 +14,12 @@ import time
 import pytest
 
 import lab
-from kernels.collective_log import CollectiveLog, log_path, read_state, straggler
-from kernels.records import StepWait
-from lab.faults import fault_problems
-import lab.hang_report
-from kernels.records import FlightGroup
-from lab.hang_report import RankDoing, build_report, flight_findings
+from kernels.watch.collective_log import CollectiveLog, log_path, read_state, straggler
+from kernels.contract.records import StepWait
+from lab.run.faults import fault_problems
+import lab.pool.hang_report
+from kernels.contract.records import FlightGroup
+from lab.pool.hang_report import RankDoing, build_report, flight_findings
 from widgets.training_dashboard import rank_rows
 
 MODEL = dict(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
@@ -180,7 +180,7 @@ def test_hang_gives_a_report_naming_the_hung_rank_and_the_collective_the_others_
 
 @pytest.mark.slow
 def test_a_hang_is_diagnosed_from_the_ranks_beacons_alone_as_for_ranks_on_other_hosts(cluster, monkeypatch):
-    monkeypatch.setattr(lab.hang_report, "read_state", lambda path: None)  # no state file readable from here
+    monkeypatch.setattr(lab.pool.hang_report, "read_state", lambda path: None)  # no state file readable from here
     with pytest.raises(lab.HangError) as info:
         experiment(cluster, steps=3, faults=[lab.Hang(2, at_step=1)], hang_after=HANG_AFTER_S).run()
     report = info.value.report

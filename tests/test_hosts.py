@@ -12,13 +12,13 @@ import subprocess
 import pytest
 
 from kernels.parallel.mesh import ParallelDims, rank_grid
-from kernels.reference import train_reference
-from kernels.run_config import RunConfig
-from kernels.train import train_rank
-from kernels.layout_rules import MESH_AXES, coords
-from lab.host_traffic import inter_host_total
-from lab.measure import measure_layout
-from lab.plan_mesh import axis_groups
+from kernels.train.reference import train_reference
+from kernels.contract.run_config import RunConfig
+from kernels.train.entry import train_rank
+from kernels.contract.layout_rules import MESH_AXES, coords
+from lab.measure.host_traffic import inter_host_total
+from lab.measure.memory_and_comm import measure_layout
+from lab.planning.plan_mesh import axis_groups
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="simulated hosts need root (network namespaces, veth, tc)")
@@ -150,7 +150,7 @@ def test_nothing_is_left_behind_after_an_error_and_the_cap_holds():
 @pytest.mark.slow
 def test_bench_collectives_sweeps_inside_and_across_hosts(two_hosts):
     from lab import bench_collectives
-    from lab.bench import link_groups
+    from lab.measure.bench import link_groups
     assert link_groups([r.host for r in two_hosts.rank_map.ranks]) == {"intra": [[0, 1], [2, 3]],
                                                                        "inter": [[0, 2], [1, 3]]}
     records = bench_collectives(two_hosts, sizes=(1 << 16,), ops=("all_reduce", "send_recv"), iters=2)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import launchers
+from lab.pool import launchers
 from tests.ipcluster_server import connect_when_ready, ipcluster
 from tests.launcher_checks import check_ranks_reduce_and_train, needs_mpi
 

@@ -17,8 +17,8 @@ import time
 import pytest
 
 import lab
-from kernels.checkpoint_files import complete_checkpoints
-from lab import launch
+from kernels.checkpoint.files import complete_checkpoints
+from lab.pool import launch
 
 TINY = dict(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq_len=16)
 STEPS = 20  # long enough that the kill lands mid-run, once the first save is complete

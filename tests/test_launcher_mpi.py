@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 import lab
-from lab import launchers
+from lab.pool import launchers
 from tests.launcher_checks import alive, check_ranks_reduce_and_train, needs_mpi, rank_sum
 
 

@@ -1,8 +1,8 @@
 """Every layout, pipelines and their composites included, trains exactly like one process.
 
-Each case runs ``kernels.train.train_rank`` on the 4-rank gloo pool (8 ranks for
+Each case runs ``kernels.train.entry.train_rank`` on the 4-rank gloo pool (8 ranks for
 PP x DP x TP) for 3 AdamW steps (lr 1e-2) and compares with
-``kernels.reference.train_reference`` run here:
+``kernels.train.reference.train_reference`` run here:
 
 - per-step global-batch losses and gradient norms, within rtol 1e-4. The gradient
   norm matters because AdamW is scale-invariant: a layout that summed instead of
@@ -52,12 +52,12 @@ import time
 import pytest
 import torch
 
-from kernels.layout_rules import MESH_AXES, SCHEDULES, coords, default_stages_per_rank
-from kernels.model import build_gpt, model_config
+from kernels.contract.layout_rules import MESH_AXES, SCHEDULES, coords, default_stages_per_rank
+from kernels.model.gpt import build_gpt, model_config
 from kernels.parallel.mesh import live_group_count
-from kernels.reference import train_reference
-from kernels.run_config import RunConfig
-from kernels.train import train_rank
+from kernels.train.reference import train_reference
+from kernels.contract.run_config import RunConfig
+from kernels.train.entry import train_rank
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16}
 BASE = {"model": TINY, "global_batch": 8, "steps": 3, "lr": 1e-2, "seed": 0}

@@ -1,4 +1,4 @@
-"""The layout vocabulary (kernels.layout_rules) and the schedule simulation, against their
+"""The layout vocabulary (kernels.contract.layout_rules) and the schedule simulation, against their
 definitions and against torch's own schedules.
 
 Fast: no ranks. torch is imported here only to check that the rules agree with
@@ -15,12 +15,12 @@ import torch.distributed.pipelining.schedules as torch_schedules
 from torch import nn
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from kernels.layout_rules import (CLOSED_FORM_BUBBLE_SCHEDULES, FSDP_STRATEGY_ZERO, LOOPED_SCHEDULES,
+from kernels.contract.layout_rules import (CLOSED_FORM_BUBBLE_SCHEDULES, FSDP_STRATEGY_ZERO, LOOPED_SCHEDULES,
                                   ROUND_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES,
                                   bubble_theory, canonical_schedule, default_microbatches,
                                   default_stages_per_rank, hsdp_split, layer_split, microbatch_problems,
                                   stage_ids, stage_problems, zero_stage)
-from kernels.schedule_simulation import lay_out
+from kernels.contract.schedule_simulation import lay_out
 
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
@@ -28,7 +28,7 @@ TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f
 
 
 def test_the_module_is_torch_free():
-    tree = ast.parse(Path("kernels/layout_rules.py").read_text())
+    tree = ast.parse(Path("kernels/contract/layout_rules.py").read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__"}, imported

@@ -2,7 +2,7 @@
 
 On the 4-rank gloo pool, the tiny GPT (2 layers, d_model 32, 4 heads, vocab 64,
 seq_len 16, d_ff 64: Ψ = 21,760 fp32 parameters in 37 tensors), global batch 8, 3
-AdamW steps with the probes on the last one (``kernels.measure.measure_rank``).
+AdamW steps with the probes on the last one (``kernels.train.measured_run.measure_rank``).
 
 What the formulas are, for the dtypes held (fp32: params 4Ψ, grads 4Ψ, AdamW K=8, plain SGD K=0):
 
@@ -21,9 +21,9 @@ import functools
 
 import pytest
 
-from lab.bench import bench_collectives
-from lab.measure import measure_layout, padded_rows, shard_rows, zero1_partition
-from lab.plan_math import busbw_factor
+from lab.measure.bench import bench_collectives
+from lab.measure.memory_and_comm import measure_layout, padded_rows, shard_rows, zero1_partition
+from lab.planning.plan_math import busbw_factor
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}
 BASE = {"model": TINY, "global_batch": 8, "steps": 3, "lr": 1e-2, "seed": 0}
@@ -65,7 +65,7 @@ def test_model_state_bytes_per_rank_equal_the_zero_formula(measured, layout, mom
         if moment == "peak_fwd_bwd":  # the same bytes split by the part that saved them (kernels/activation_parts)
             assert sum(parts.values()) == rows["activations"].measured and {"attention", "mlp", "norms"} <= set(parts)
             predicted = {c[len("activations."):]: r.predicted for c, r in rows.items() if c.startswith("activations.")}
-            assert predicted == parts, (layout, rank)  # the lab GPT's rule (kernels/activation_rules.py), exact
+            assert predicted == parts, (layout, rank)  # the lab GPT's rule (kernels/contract/activation_rules.py), exact
             assert rows["activations"].predicted == rows["activations"].measured
         else:
             assert not parts

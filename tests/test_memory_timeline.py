@@ -1,4 +1,4 @@
-"""Memory over the traced step (kernels.memory_timeline): the live count in one process, then a traced pipeline.
+"""Memory over the traced step (kernels.measure.memory_timeline): the live count in one process, then a traced pipeline.
 
 - In one process: inside ``LiveActivations.counting`` the live bytes after a forward equal what
   ``SavedActivations`` counts, and fall back to zero as backward frees what autograd saved.
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import lab
-from kernels.memory import SavedActivations
-from kernels.memory_timeline import LiveActivations
-from kernels.model import GPTConfig, build_gpt, loss_fn
-from kernels.records import MemorySample
+from kernels.measure.memory import SavedActivations
+from kernels.measure.memory_timeline import LiveActivations
+from kernels.model.gpt import GPTConfig, build_gpt, loss_fn
+from kernels.contract.records import MemorySample
 from widgets import MemoryView, plot_memory
 from widgets._memory_strip import TITLE, X_LABEL, strip_state
 

@@ -18,11 +18,11 @@ def _logits_dtype(layout: dict) -> str:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from kernels.model import build_gpt, model_config
+    from kernels.model.gpt import build_gpt, model_config
     from kernels.parallel.mesh import build_mesh, destroy_mesh_groups
     from kernels.parallel.parallelize import parallelize
     from kernels.parallel.strategy import run_strategy
-    from kernels.run_config import RunConfig
+    from kernels.contract.run_config import RunConfig
 
     run = RunConfig(model=TINY, **layout)
     dims, strategy = run_strategy(run, dist.get_world_size())
@@ -48,7 +48,7 @@ def test_bf16_layouts_compute_in_bf16(cluster, layout, dtype):
 
 def test_bf16_is_autocast_exactly_where_fsdp2_does_not_sync():
     from kernels.parallel.strategy import run_strategy
-    from kernels.run_config import RunConfig
+    from kernels.contract.run_config import RunConfig
 
     def autocast(**layout):
         return run_strategy(RunConfig(model=TINY, mixed_precision="bf16", **layout))[1].autocast

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from kernels.data import SyntheticTokens, microbatches, shard_batch
-from kernels.layout_rules import layer_split
-from kernels.model import GPTConfig, build_gpt, count_parameters, keep_stage, loss_fn
+from kernels.train.data import SyntheticTokens, microbatches, shard_batch
+from kernels.contract.layout_rules import layer_split
+from kernels.model.gpt import GPTConfig, build_gpt, count_parameters, keep_stage, loss_fn
 
 TINY = GPTConfig(layers=2, d_model=32, heads=2, vocab=32, seq_len=16, seed=0)
 

@@ -14,7 +14,7 @@ def _step_twice(schedule: str, stages_per_rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from kernels.model import loss_fn
+    from kernels.model.gpt import loss_fn
     from kernels.parallel.p2p_staging import staged_p2p
     from kernels.parallel.pipeline import build_pipeline, pipeline_step
 

@@ -1,7 +1,6 @@
-"""The project's shape holds: import boundaries, the shadow guard, the console script."""
+"""The project's shape holds: the contract loads light, the shadow guard, the console script, the wheel."""
 from __future__ import annotations
 
-import ast
 import shutil
 import subprocess
 import zipfile
@@ -15,73 +14,17 @@ from lab._shadow_guard import ShadowedPackageError, check_own_packages
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def imported_top_levels(package: str) -> dict[str, set[str]]:
-    found = {}
-    for path in (ROOT / package).rglob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module.split(".")[0])
-        found[str(path.relative_to(ROOT))] = names
-    return found
+# The import rules themselves are import-linter contracts (tests/test_import_contracts.py); this checks
+# what they cannot: importing a contract module at run time loads nothing heavy.
+CONTRACT = sorted(f"kernels.contract.{p.stem}" for p in (ROOT / "kernels" / "contract").glob("*.py")
+                  if p.stem != "__init__")
 
 
-# Rank-side modules the driver and the widgets may import: records and layout vocabulary, standard library only.
-TORCH_FREE = ("kernels.records", "kernels.layout_rules", "kernels.config_rules", "kernels.run_config",
-              "kernels.schedule_simulation")
-
-
-def torch_free_modules() -> list[str]:
-    return [m for m in TORCH_FREE if (ROOT / (m.replace(".", "/") + ".py")).exists()]
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every absolute module name a file imports (``from a.b import c`` gives ``a.b``)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if (ROOT / node.module.replace(".", "/")).is_dir():  # `from kernels import layout_rules`
-                names |= {f"{node.module}.{a.name}" for a in node.names}
-            else:
-                names.add(node.module)
-    return names
-
-
-def not_stdlib(path: Path) -> set[str]:
-    """What a file imports beyond the standard library and the torch-free kernels modules."""
-    return {m for m in imported_modules(path)
-            if m.split(".")[0] not in sys.stdlib_module_names and m not in TORCH_FREE and m != "__future__"}
-
-
-@pytest.mark.parametrize("package, forbidden", [("kernels", {"lab", "widgets"}), ("widgets", {"torch", "lab"})])
-def test_layers_never_import_across_the_forbidden_lines(package, forbidden):
-    offenders = {f: names & forbidden for f, names in imported_top_levels(package).items() if names & forbidden}
-    assert not offenders, f"{package} must not import {sorted(forbidden)}: {offenders}"
-
-
-def test_widgets_import_only_the_torch_free_kernels_modules():
-    offenders = {str(p.relative_to(ROOT)): rank_code for p in (ROOT / "widgets").rglob("*.py")
-                 if (rank_code := {m for m in imported_modules(p) if m.split(".")[0] == "kernels"} - set(TORCH_FREE))}
-    assert not offenders, f"widgets may import only {TORCH_FREE} from kernels: {offenders}"
-
-
-@pytest.mark.parametrize("module", torch_free_modules())
-def test_torch_free_kernels_modules_import_only_the_standard_library(module):
-    assert not not_stdlib(ROOT / (module.replace(".", "/") + ".py"))
+@pytest.mark.parametrize("module", CONTRACT)
+def test_the_contract_modules_load_nothing_heavy(module):
     code = (f"import sys, {module}; heavy = [m for m in ('torch', 'numpy', 'lab', 'widgets') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
-def test_the_standard_library_check_catches_a_heavy_import(tmp_path):
-    path = tmp_path / "records.py"
-    path.write_text("import json\nfrom dataclasses import field\nimport numpy as np\nfrom torch import nn\n"
-                    "from kernels.records import Record\nfrom kernels.model import GPT\n")
-    assert not_stdlib(path) == {"numpy", "torch", "kernels.model"}
 
 
 def test_guard_accepts_this_checkout():
@@ -112,8 +55,8 @@ def test_import_lab_imports_nothing_heavy_until_a_name_is_used():
     # Engines import the module of every function they run; a module that does `import lab`
     # must not make them import torch, widgets or the planner.
     code = ("import sys, lab; "
-            "heavy = [m for m in ('torch', 'ipywidgets', 'widgets', 'lab.planner') if m in sys.modules]; "
-            "assert not heavy, heavy; lab.Parallel; assert 'lab.parallel' in sys.modules; "
+            "heavy = [m for m in ('torch', 'ipywidgets', 'widgets', 'lab.planning.planner') if m in sys.modules]; "
+            "assert not heavy, heavy; lab.Parallel; assert 'lab.run.parallel' in sys.modules; "
             "assert set(lab.__all__) <= set(dir(lab)); lab.GPT(layers=1)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kernels.layout_rules import SCHEDULES
-from lab.parallel import RULES, Parallel, ParallelConfigError
+from kernels.contract.layout_rules import SCHEDULES
+from lab.run.parallel import RULES, Parallel, ParallelConfigError
 
 # Any object with layers/d_model/heads/d_ff will do as the model config.
 MODEL = SimpleNamespace(layers=8, d_model=64, heads=4, d_ff=256)
@@ -139,7 +139,7 @@ def test_defaults_resolve_from_the_schedule(fields, resolved):
 
 @pytest.mark.parametrize("fields, sizes", [
     (dict(dp=4), (1, 4)),
-    (dict(dp=4, fsdp_strategy="hybrid"), (2, 2)),  # the default split of kernels.layout_rules.hsdp_split
+    (dict(dp=4, fsdp_strategy="hybrid"), (2, 2)),  # the default split of kernels.contract.layout_rules.hsdp_split
     (dict(dp=8, fsdp_strategy="hybrid"), (2, 4)),
     (dict(dp=8, fsdp_strategy="hybrid", dp_replicate=4), (4, 2)),
 ])
@@ -194,7 +194,7 @@ def test_world_size_is_the_product_of_the_axes():
 
 
 def test_check_accepts_the_kernels_gpt_config():
-    from kernels.model import GPTConfig
+    from kernels.model.gpt import GPTConfig
 
     cfg = GPTConfig(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)  # d_ff defaults to 256
     assert Parallel(tp=2, pp=2, microbatches=4).check(cfg, world_size=4, global_batch=32) == []

@@ -6,9 +6,9 @@ import time
 import pytest
 
 import lab
-from kernels.parameter_server import split_by_bytes
-from lab.parallel import RULES
-from lab.ps_result import server_bytes_per_step
+from kernels.ps.parameter_server import split_by_bytes
+from lab.run.parallel import RULES
+from lab.ps.ps_result import server_bytes_per_step
 
 TINY = dict(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 RUN = dict(global_batch=12, steps=3)  # 12: divisible by 3 and 2 workers and by DDP's 4 ranks

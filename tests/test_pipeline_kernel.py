@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.layout_rules import stage_ids
+from kernels.contract.layout_rules import stage_ids
 from kernels.parallel.pipeline import check_schedule
 
 

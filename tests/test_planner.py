@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from kernels.layout_rules import bubble_theory, canonical_schedule
-from lab.plan_math import (GB, activation_bytes, busbw_factor, fsdp_comm_bytes, gbps, optimizer_bytes, pp_p2p_bytes,
+from kernels.contract.layout_rules import bubble_theory, canonical_schedule
+from lab.planning.plan_math import (GB, activation_bytes, busbw_factor, fsdp_comm_bytes, gbps, optimizer_bytes, pp_p2p_bytes,
                            required_bandwidth, tp_allreduce_bytes, tp_size_for_memory, zero_memory)
-from lab.plan_mesh import Layout, axis_link, hybrid_groups
-from lab.plan_models import PRESETS, custom_model, get_model
-from lab.plan_stages import in_flight
-from lab.planner import plan
-from lab.recommend import recommend
+from lab.planning.plan_mesh import Layout, axis_link, hybrid_groups
+from lab.planning.plan_models import PRESETS, custom_model, get_model
+from lab.planning.plan_stages import in_flight
+from lab.planning.planner import plan
+from lab.planning.recommend import recommend
 
 MB = 1e6
 LLAMA70 = "llama3-70b"
@@ -401,7 +401,7 @@ def test_world_size_mismatch_and_bad_batches_raise():
 
 @dataclass(frozen=True)
 class FakeParallel:
-    """The attributes lab.parallel.Parallel has; the planner must not need the class itself."""
+    """The attributes lab.run.parallel.Parallel has; the planner must not need the class itself."""
 
     dp: int = 1
     tp: int = 1

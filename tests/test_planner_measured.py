@@ -1,7 +1,7 @@
 """The planner's predictions for the lab's GPT equal what the ranks measure (issue "Measured vs predicted").
 
 ``lab.plan(TINY, ...)`` (a GPTConfig dict: ``ModelSpec.from_gpt``, counted tensor by
-tensor) is set beside ``lab.measure.measure_layout`` on the 4-rank gloo pool, for the
+tensor) is set beside ``lab.measure.memory_and_comm.measure_layout`` on the 4-rank gloo pool, for the
 tiny GPT (2 layers, d_model 32, 4 heads, d_ff 64, vocab 64, seq_len 16: Ψ = 21,760
 fp32 parameters in 37 tensors), global batch 8, fp32 AdamW (the planner's
 ``dtype="fp32", optimizer="adam"``: 4 + 4 + K=8 bytes per parameter).
@@ -50,9 +50,9 @@ import re
 import pytest
 
 from lab import plan
-from lab.measure import measure_layout, zero1_partition
-from lab.plan_math import busbw_factor
-from lab.plan_models import ModelSpec, get_model, gpt_tensors
+from lab.measure.memory_and_comm import measure_layout, zero1_partition
+from lab.planning.plan_math import busbw_factor
+from lab.planning.plan_models import ModelSpec, get_model, gpt_tensors
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}
 BASE = {"model": TINY, "global_batch": 8, "steps": 2, "lr": 1e-2, "seed": 0}
@@ -168,7 +168,7 @@ def _check_comm(name: str, p, stage, out: dict, rec: dict) -> None:
 
 
 def test_from_gpt_lists_every_parameter_of_the_lab_gpt_in_model_order():
-    from kernels.model import GPTConfig, build_gpt
+    from kernels.model.gpt import GPTConfig, build_gpt
 
     for cfg in (GPTConfig(**TINY), GPTConfig(layers=4, d_model=32, heads=4, vocab=64, seq_len=16, d_ff=128),
                 GPTConfig(layers=1, d_model=16, heads=2, vocab=32, seq_len=8, bias=False)):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-LAB = Path(__file__).resolve().parents[1] / "lab"
+LAB = Path(__file__).resolve().parents[1] / "lab" / "planning"
 MODULES = sorted([*LAB.glob("plan_*.py"), LAB / "planner.py", LAB / "recommend.py"])
 
 

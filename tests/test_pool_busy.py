@@ -21,7 +21,7 @@ def rank_sum(offset: float) -> float:
     return t.item()
 
 
-def started_run(cluster: lab.Cluster, steps: int = STEPS) -> "lab.run_handle.RunHandle":
+def started_run(cluster: lab.Cluster, steps: int = STEPS) -> "lab.run.run_handle.RunHandle":
     """A run started with .start() that has finished at least one step on some rank."""
     handle = lab.Experiment(cluster, TINY, lab.Parallel(dp=4), steps=steps).start()
     while not handle.history and not handle.done:

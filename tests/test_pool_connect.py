@@ -13,7 +13,7 @@ import ipyparallel as ipp
 import pytest
 
 import lab
-from lab import launch
+from lab.pool import launch
 
 
 def rank_sum() -> float:

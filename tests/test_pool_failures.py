@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 import lab
-from kernels import runtime
-from lab import launch
+from kernels.engine import runtime
+from lab.pool import launch
 from tests.conftest import start_pool
 
 DEATH_TO_ERROR_S = 5.0  # the bound, from SIGKILL to the DeadRankError, world rebuilt

@@ -7,10 +7,10 @@ import psutil
 import pytest
 
 import lab
-from kernels import runtime
-from kernels.records import EngineInfo
-from lab.cluster_world import listen_addresses
-from lab.rank_map import build_rank_map
+from kernels.engine import runtime
+from kernels.contract.records import EngineInfo
+from lab.pool.cluster_world import listen_addresses
+from lab.pool.rank_map import build_rank_map
 
 LOOPBACK = {"127.0.0.1", "::1"}
 

@@ -7,7 +7,7 @@ import torch.distributed.rpc.api as rpc_api
 
 from torch.futures import Future
 
-from kernels import ps_rpc
+from kernels.ps import ps_rpc
 
 
 def _start_alone() -> None:

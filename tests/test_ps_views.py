@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.records import RecordShapeError
-from lab.ps_result import PSResult
+from kernels.contract.records import RecordShapeError
+from lab.ps.ps_result import PSResult
 from widgets.ps_timeline import PSTimeline, _lanes, plot_losses, plot_ps_timeline, plot_staleness
 
 SPANS = [{"rank": 1, "kind": "pull", "step": 0, "start": 10.0, "end": 10.1},

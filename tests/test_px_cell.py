@@ -5,7 +5,7 @@ import traceback
 
 import pytest
 
-from kernels import cell
+from kernels.engine import cell
 
 
 def test_cell_defines_names_in_the_namespace_and_returns_its_last_expression():

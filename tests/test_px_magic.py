@@ -12,7 +12,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 import lab
-from lab.px_magic import PxMagics
+from lab.pool.px_magic import PxMagics
 
 TIMEOUT_SLACK_S = 15  # grace for peers, SIGINT and a world rebuild on two shared cores; measured about 4 s
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.records import EngineInfo
-from lab.rank_map import RankMapError, build_rank_map
+from kernels.contract.records import EngineInfo
+from lab.pool.rank_map import RankMapError, build_rank_map
 
 
 def engines(n: int, gpus: int) -> list[EngineInfo]:

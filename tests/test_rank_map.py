@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from lab.rank_map import RankMapError, build_rank_map, local_world_sizes
-from kernels.records import EngineInfo, RankMap
+from lab.pool.rank_map import RankMapError, build_rank_map, local_world_sizes
+from kernels.contract.records import EngineInfo, RankMap
 
 
 def engine(engine_id: int, host: str = "a", gpus: tuple[str, ...] = (),

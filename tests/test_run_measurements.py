@@ -21,7 +21,7 @@ import math
 import pytest
 
 import lab
-from lab.run_result import NotRecordedError
+from lab.run.run_result import NotRecordedError
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 T_FORWARD = 0.08  # seconds per micro-batch forward through one rank's share; see the module docstring
@@ -133,8 +133,8 @@ def again_plots_memory(res) -> bool:
     return any(p.get_gid() == "measured:activations" for p in fig.axes[0].patches)
 
 
-_GUARDED = (("kernels.trace", None, "instrument"), ("kernels.trace", "TraceRecorder", "__init__"),
-            ("kernels.measure", "StepProbe", "__init__"), ("kernels.comm", "CommMeter", "__init__"))
+_GUARDED = (("kernels.measure.trace", None, "instrument"), ("kernels.measure.trace", "TraceRecorder", "__init__"),
+            ("kernels.train.measured_run", "StepProbe", "__init__"), ("kernels.watch.comm", "CommMeter", "__init__"))
 
 
 def _forbid_measuring() -> None:
@@ -185,7 +185,7 @@ def test_trace_options_that_would_record_nothing_are_refused_before_launch(clust
 
 
 def test_real_compute_trace_on_more_ranks_than_cores_carries_the_warning(cluster):
-    from kernels.synthetic import usable_cores
+    from kernels.measure.synthetic import usable_cores
 
     exp = lab.Experiment(cluster, TINY, lab.Parallel(pp=2, dp=2, microbatches=2), global_batch=8, steps=2,
                          trace=True)

@@ -7,8 +7,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from lab import compare_schedules, plot_schedules
-from lab.run_result import NotRecordedError, RunResult
-from lab.timeline import bubble
+from lab.run.run_result import NotRecordedError, RunResult
+from lab.measure.timeline import bubble
 from tests.test_widgets import RecordingComm, fake_comm  # noqa: F401  (the shared fake comm fixture)
 from tests.test_widgets_browser import zbv_events
 from tests.test_widgets_timeline import ev, trace_events

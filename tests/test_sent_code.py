@@ -15,9 +15,9 @@ import types
 
 import pytest
 
-from kernels import stack_report
-from lab.frames import render, user_frame
-from lab.sent_code import REWRITTEN, SentCodeBook
+from kernels.watch import stack_report
+from lab.pool.frames import render, user_frame
+from lab.pool.sent_code import REWRITTEN, SentCodeBook
 
 _cells = 0
 

@@ -1,6 +1,6 @@
 """The async-save stager that reuses its buffers stages what DCP's own stager stages, save after save.
 
-``kernels.staging_buffers.ReusedStagingBuffers`` deep-copies the first state dict through
+``kernels.checkpoint.staging_buffers.ReusedStagingBuffers`` deep-copies the first state dict through
 DCP's ``DefaultStager`` and afterwards copies only tensor data into that copy. Each save's
 staged dict must equal a fresh ``DefaultStager`` copy of the same state, must not change
 when the training changes its tensors afterwards, and a state of another shape must get
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kernels.staging_buffers import ReusedStagingBuffers
+from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
 
 
 @pytest.fixture

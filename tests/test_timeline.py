@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import kernels.synthetic as synthetic
-from kernels.trace import _offset_bounds
-from kernels.records import BubbleReport, TraceEvent
-from lab.timeline import (bubble, bubble_from_records, clock_syncs, events_from, measured_order, planned_order, simulate,
+import kernels.measure.synthetic as synthetic
+from kernels.measure.trace import _offset_bounds
+from kernels.contract.records import BubbleReport, TraceEvent
+from lab.measure.timeline import (bubble, bubble_from_records, clock_syncs, events_from, measured_order, planned_order, simulate,
                           to_chrome_trace)
 from tests.test_bubble import WORLD, rank_runner
 
@@ -60,8 +60,8 @@ def test_bubble_report_and_events_round_trip_through_json():
 
 
 def test_driver_timeline_module_never_imports_torch():
-    # It shares the torch-free kernels.layout_rules and kernels.schedule_simulation with the views.
-    code = "import sys, lab.timeline; assert not {'torch', 'widgets'} & set(sys.modules), sorted(sys.modules)"
+    # It shares the torch-free kernels.contract.layout_rules and kernels.contract.schedule_simulation with the views.
+    code = "import sys, lab.measure.timeline; assert not {'torch', 'widgets'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -88,9 +88,9 @@ def one_rank_world():
 def test_tracing_off_installs_no_wrappers(one_rank_world):
     from torch.distributed.pipelining import schedules
 
-    from kernels.model import loss_fn
+    from kernels.model.gpt import loss_fn
     from kernels.parallel.pipeline import build_pipeline, pipeline_step
-    from kernels.trace import TraceRecorder, is_instrumented, traced
+    from kernels.measure.trace import TraceRecorder, is_instrumented, traced
 
     rt = build_pipeline({"layers": 2, "d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8},
                         "gpipe", 0, 1, 1, 2, None, "cpu", loss_fn)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lab
-from kernels import live_training
+from kernels.train import live_training
 from lab.errors import LabError
 
 TINY = dict(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq_len=16)

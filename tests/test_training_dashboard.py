@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.records import StepProgress
-from kernels.records import RecordShapeError
+from kernels.contract.records import StepProgress
+from kernels.contract.records import RecordShapeError
 from widgets import TrainingDashboard, plot_dashboard
 from widgets.training_dashboard import losses, rank_rows
 

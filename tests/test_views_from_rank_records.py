@@ -2,8 +2,8 @@
 
 The widget unit tests feed hand-written records; here one 4-rank gloo pool runs PP2×DP2
 1F1B with ZeRO-1 inside (``trace=True, measure=True``), FSDP (ZeRO-3) over dp=4
-(``measure=True``) and ``kernels.collectives.run_collectives``. Every record they return
-must have exactly the shape ``kernels.records`` defines (``from_dict`` is strict, and
+(``measure=True``) and ``kernels.engine.collectives.run_collectives``. Every record they return
+must have exactly the shape ``kernels.contract.records`` defines (``from_dict`` is strict, and
 ``to_dict`` gives the same dict back), and every view and its matplotlib fallback must
 draw from them, the same before and after the JSON round trip. A change of shape on the
 ranks fails here, naming the record and the key.
@@ -18,10 +18,10 @@ import pytest
 from matplotlib.figure import Figure
 
 import lab
-from kernels.collectives import run_collectives
-from kernels.records import (BubbleReport, ClockSync, CollectiveRecord, CommRecord, LayoutRecord, MemoryRecord,
+from kernels.engine.collectives import run_collectives
+from kernels.contract.records import (BubbleReport, ClockSync, CollectiveRecord, CommRecord, LayoutRecord, MemoryRecord,
                              RankStatus, TraceEvent)
-from lab.run_result import RunResult
+from lab.run.run_result import RunResult
 from widgets import (ClusterView, CollectiveView, MemoryView, PipelineTimeline, ShardingView, plot_cluster,
                      plot_collective, plot_memory, plot_sharding, plot_timeline)
 

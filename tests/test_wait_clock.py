@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.wait_clock import WaitClock
+from kernels.watch.wait_clock import WaitClock
 from tests.spawned_ranks import pooled_runner
 
 LATE_S = 1.0  # rank 1 arrives this late; rank 0 must have waited for it

@@ -8,7 +8,7 @@ import matplotlib
 import pytest
 from matplotlib.figure import Figure
 
-from kernels.records import LayoutRecord, RecordShapeError
+from kernels.contract.records import LayoutRecord, RecordShapeError
 from widgets import ClusterView, CollectiveView, ShardingView, plot_cluster, plot_collective, plot_sharding
 from widgets._layout import _extent, _sharding_view
 from widgets._ring import _cells_at, _collective_view, _simulate, _split
@@ -20,14 +20,14 @@ DATA_TRAITS = {"ClusterView": ["ranks", "summary"], "CollectiveView": ["records"
 
 # --- records, in the shapes the ranks really return them -------------------------------------------
 def rank_status(n: int = 4, failed: int | None = None) -> list[dict]:
-    """kernels.records.RankStatus.to_dict() rows."""
+    """kernels.contract.records.RankStatus.to_dict() rows."""
     return [{"rank": r, "host": f"node{r // 2}", "pid": 1000 + r, "device": "cpu", "backend": "gloo",
              "threads": 2, "state": "failed" if r == failed else "idle", "detail": "boom" if r == failed else "",
              "rss_bytes": (300 + r) * 2**20, "last_heard_s": None} for r in range(n)]
 
 
 def collective_records(n: int = 4) -> list[dict]:
-    """What kernels.collectives.run_collectives returns on each of n ranks (outputs computed by hand)."""
+    """What kernels.engine.collectives.run_collectives returns on each of n ranks (outputs computed by hand)."""
     ar = [[r + 1.0, 10.0 * (r + 1)] for r in range(n)]
     rs = [[100.0 * r + c for c in range(n)] for r in range(n)]
     out = []
@@ -47,7 +47,7 @@ def _param(shape, local, placements=(), axes=()):
 
 
 def layout_records(kind: str) -> list[dict]:
-    """kernels.train.train_rank()["layout"] per rank, as dumped from real 4-rank gloo runs (2 blocks, trimmed)."""
+    """kernels.train.entry.train_rank()["layout"] per rank, as dumped from real 4-rank gloo runs (2 blocks, trimmed)."""
     names = ["tok_emb.weight", "blocks.0.attn.q.weight", "blocks.0.attn.q.bias", "blocks.1.attn.q.weight",
              "lm_head.weight"]
     shapes = [[32, 16], [16, 16], [16], [16, 16], [32, 16]]
@@ -146,7 +146,7 @@ def test_cluster_view_state_holds_every_rank_in_order():
 
 
 def test_cluster_view_takes_rank_status_records_as_they_are():
-    from kernels.records import RankStatus
+    from kernels.contract.records import RankStatus
 
     view = ClusterView([RankStatus(**r) for r in rank_status(2, failed=0)])
     assert view.ranks == rank_status(2, failed=0)

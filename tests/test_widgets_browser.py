@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kernels.records import TraceEvent
-from lab.timeline import bubble, simulate
+from kernels.contract.records import TraceEvent
+from lab.measure.timeline import bubble, simulate
 from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser, write_code_notebook
 from tests.test_widgets import collective_records, layout_records, rank_status
-from lab.measure import memory_records
+from lab.measure.memory_and_comm import memory_records
 from tests.test_widgets_timeline import memory_rank_record, trace_events
 from widgets import ShardingView
 

@@ -10,9 +10,9 @@ import matplotlib
 import pytest
 from matplotlib.figure import Figure
 
-from lab.measure import memory_records, predicted_memory
-from kernels.records import MemoryRecord, RecordShapeError, TraceEvent
-from lab.timeline import bubble, planned_order, simulate
+from lab.measure.memory_and_comm import memory_records, predicted_memory
+from kernels.contract.records import MemoryRecord, RecordShapeError, TraceEvent
+from lab.measure.timeline import bubble, planned_order, simulate
 from tests.test_widgets import RecordingComm, fake_comm  # noqa: F401  (the shared fake comm fixture)
 from widgets.memory_view import CATEGORIES, MemoryView, _memory_state, plot_memory
 from widgets._timeline import _columns, _idle, _mean_ms, _planned_layout, _rows, _timeline_state
@@ -33,7 +33,7 @@ def zb_orders(pp: int, m: int) -> dict[int, list[tuple]]:
 
 def trace_events(schedule: str = "1f1b", pp: int = 4, m: int = 8, *, split: bool = False, step: int = 0,
                  epoch: float = 12.3456789) -> list[dict]:
-    """TraceEvent dicts as kernels.trace returns them: compute with torch's letters, p2p waits, the dp
+    """TraceEvent dicts as kernels.measure.trace returns them: compute with torch's letters, p2p waits, the dp
     all-reduce and the optimizer, on clocks aligned to rank 0 (an offset epoch, several decimals)."""
     orders = zb_orders(pp, m) if split else {r: planned_order(schedule, pp, m, r) for r in range(pp)}
     compute = simulate(orders, COSTS)
@@ -45,7 +45,7 @@ def trace_events(schedule: str = "1f1b", pp: int = 4, m: int = 8, *, split: bool
             t = epoch + e.end
             out.append(TraceEvent(e.rank, e.stage, "send", e.microbatch, t, t + 2e-5, step=step, peer=peer,
                                   nbytes=4096))
-            # the receiving stage tags its recv (kernels/trace.py): one stage per rank here
+            # the receiving stage tags its recv (kernels/measure/trace.py): one stage per rank here
             out.append(TraceEvent(peer, peer, "recv", e.microbatch, t, t + 3e-5, step=step, peer=e.rank,
                                   nbytes=4096))
     end = epoch + max(e.end for e in compute)
@@ -56,7 +56,7 @@ def trace_events(schedule: str = "1f1b", pp: int = 4, m: int = 8, *, split: bool
 
 
 def rank_records(pp: int = 4, m: int = 8) -> list[dict]:
-    """What a traced pipeline run of kernels.train.train_rank returns per rank (two traced steps)."""
+    """What a traced pipeline run of kernels.train.entry.train_rank returns per rank (two traced steps)."""
     events = trace_events(pp=pp, m=m, step=0) + trace_events(pp=pp, m=m, step=1, epoch=13.5)
     return [{"rank": r, "pp_rank": r, "dp_rank": 0, "schedule": "1f1b", "pp": pp, "dp": 1, "stages_per_rank": 1,
              "microbatches": m, "stage_ids": [r], "synthetic": True,
@@ -70,7 +70,7 @@ def plans(schedule: str, pp: int, m: int) -> dict[int, list[list]]:
 
 
 def memory_rank_record(rank: int, dp: int = 4, cuda: int | None = None) -> dict:
-    """kernels.measure.measure_rank's shape for ZeRO-3 on dp ranks: the layout and two memory snapshots."""
+    """kernels.train.measured_run.measure_rank's shape for ZeRO-3 on dp ranks: the layout and two memory snapshots."""
     params = {"tok_emb.weight": [32, 16], "blocks.0.attn.q.weight": [16, 16], "blocks.0.attn.q.bias": [16],
               "lm_head.weight": [32, 16]}
     record = {"rank": rank, "strategy": "fsdp", "zero": 3, "dims": {"dp": dp, "tp": 1, "pp": 1},
@@ -81,7 +81,7 @@ def memory_rank_record(rank: int, dp: int = 4, cuda: int | None = None) -> dict:
     record["memory"] = {moment: {**{k: int(v) + 8 * rank for k, v in pred[moment].items()},
                                  "activations": 0 if moment == "at_rest" else 20_000 + rank,
                                  "cuda_max_allocated": cuda} for moment in ("at_rest", "peak_fwd_bwd")}
-    record["memory"]["peak_fwd_bwd"]["activation_parts"] = {  # kernels.activation_parts: the 20_000 + rank again
+    record["memory"]["peak_fwd_bwd"]["activation_parts"] = {  # kernels.measure.activation_parts: the 20_000 + rank again
         "attention": 9_000, "mlp": 7_000, "norms": 3_000, "projection": 600, "cross-entropy": 400 + rank}
     return record
 
@@ -364,7 +364,7 @@ def test_views_never_import_torch_lab_or_rank_code(module):
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m.split(".")[0] for m in imported} & {"torch", "lab"}
-    assert {m for m in imported if m.split(".")[0] == "kernels"} <= {"kernels.records"}  # the records, torch-free
+    assert {m for m in imported if m.split(".")[0] == "kernels"} <= {"kernels.contract.records"}  # the records, torch-free
 
 
 @pytest.mark.parametrize("js, classes", [

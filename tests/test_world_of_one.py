@@ -7,9 +7,9 @@ import pytest
 from ipyparallel.error import RemoteError
 
 import lab
-from lab.controls import Controls
-from kernels.records import RankInfo, RankMap
-from lab.supervise import Outcome, describe_failures
+from lab.run.controls import Controls
+from kernels.contract.records import RankInfo, RankMap
+from lab.pool.supervise import Outcome, describe_failures
 from tests.conftest import start_pool
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)

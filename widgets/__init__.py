@@ -1,6 +1,6 @@
 """Views only: widgets and matplotlib figures fed by records; never imports torch, lab or rank code.
 
-The record shapes are ``kernels.records`` (standard library only): each view takes the
+The record shapes are ``kernels.contract.records`` (standard library only): each view takes the
 records or their ``to_dict()`` dicts, and checks dicts with ``from_dict``, so a record of
 another shape fails with the record's name and the key.
 
@@ -15,10 +15,10 @@ Each view is an anywidget (live, in a notebook) with a matplotlib twin for stati
 - ``MemoryView(records)`` / ``plot_memory(records, moment)``: MemoryRecord, measured beside predicted;
 - ``ScheduleGallery(runs)`` / ``plot_gallery(runs)``: several runs' TraceEvents and BubbleReports, one
   panel per schedule on one shared time axis, replayed in lock-step;
-- ``PSTimeline(spans)`` / ``plot_ps_timeline(spans)``: PSSpan (``kernels.records``), a parameter
+- ``PSTimeline(spans)`` / ``plot_ps_timeline(spans)``: PSSpan (``kernels.contract.records``), a parameter
   server's pull/compute/push/apply per rank; ``plot_staleness`` and ``plot_losses`` beside it;
 - ``TrainingDashboard(records, world_size=n)`` / ``plot_dashboard(records)``: StepProgress
-  (``kernels.records``), live from a run handle or replayed from a saved run.
+  (``kernels.contract.records``), live from a run handle or replayed from a saved run.
 """
 from widgets.cluster_view import ClusterView, plot_cluster
 from widgets.collective_view import CollectiveView, plot_collective

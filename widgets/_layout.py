@@ -1,7 +1,7 @@
 """Pure transforms behind ShardingView: per-rank layout records -> which slice of each tensor a rank holds.
 
 A layout record is what the ranks return as ``"layout"`` (one per rank; ``RunResult.layout``
-is the list): a ``kernels.records.LayoutRecord`` or its dict, checked by ``from_dict``; its
+is the list): a ``kernels.contract.records.LayoutRecord`` or its dict, checked by ``from_dict``; its
 ``params`` map each name to a ``ParamLayout``. Placements are DTensor's short
 or long strings ("S(0)", "Shard(dim=0)", "_S(0, 2)" for FSDP's strided shard over a
 TP shard, "R", "Replicate()"). Without an ``offset`` the slice start is computed
@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from kernels.records import LayoutRecord
+from kernels.contract.records import LayoutRecord
 
 _SHARD = re.compile(r"^(_S|_StridedShard|S|Shard)\((?:dim=)?(\d+)")
 DP_AXES = ("dp", "dp_shard", "dp_replicate")  # the axes FSDP all-gathers / reduce-scatters over

@@ -1,6 +1,6 @@
 """Pure transforms behind CollectiveView: the ring algorithms replayed on the ranks' real inputs.
 
-The ranks ran the real collectives (``kernels.collectives.run_collectives``); here a
+The ranks ran the real collectives (``kernels.engine.collectives.run_collectives``); here a
 teaching twin replays the textbook ring algorithm (Patarasuk & Yuan, 2009; the
 schedule NCCL's ring uses) on the same input values, one frame per step, and checks
 that the values the twin ends with equal the outputs the ranks really returned.
@@ -17,7 +17,7 @@ import copy
 import math
 from typing import Any
 
-from kernels.records import CollectiveRecord
+from kernels.contract.records import CollectiveRecord
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 

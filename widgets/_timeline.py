@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernels.records import BubbleReport, TraceEvent
-from kernels.schedule_simulation import lay_out
+from kernels.contract.records import BubbleReport, TraceEvent
+from kernels.contract.schedule_simulation import lay_out
 from widgets._vshape import v_path
 
 LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
@@ -68,7 +68,7 @@ def _chunks(ranks: list[int], stages: list[int | None], kinds: list[str]) -> lis
 def _ready(cols: dict[str, list]) -> list[float | None]:
     """Per communication event, when its data could start to move (ms); None for compute and rank-wide work.
 
-    A traced send/recv spans the time its rank was blocked (kernels/trace.py); nothing can move
+    A traced send/recv spans the time its rank was blocked (kernels/measure/trace.py); nothing can move
     before the other side is in too, so up to the partner's start the rank was *waiting*, after it
     the message was in *transfer*. The partner of a recv is the peer's send to this rank with the
     same micro-batch from a neighbouring stage, paired in time order (and the other way round).

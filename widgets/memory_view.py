@@ -1,11 +1,11 @@
 """MemoryView: what each rank holds, by category, measured beside predicted (docs/design.md#memory-categories).
 
-Input: ``kernels.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
+Input: ``kernels.contract.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
 allocator's view of the same tensors) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
 split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar, each part
-measured beside the lab GPT's rule of ``kernels.activation_rules`` where it holds, with the source of each number)
+measured beside the lab GPT's rule of ``kernels.contract.activation_rules`` where it holds, with the source of each number)
 (any other category counts as ``other``). On GPU, ``other`` also takes what
 ``torch.cuda.max_memory_allocated`` saw beyond the four categories (workspaces, temporaries).
 
@@ -20,7 +20,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from kernels.records import MemoryRecord
+from kernels.contract.records import MemoryRecord
 from widgets._esm import view_module
 from widgets._memory_strip import draw_strip, fmt_bytes, strip_state
 
@@ -29,7 +29,7 @@ LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer 
           "other": "other"}
 COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759", "other": "#bab0ac"}
 MOMENTS = ("at_rest", "peak_fwd_bwd")
-PART_PREFIX = "activations."  # activations.attention, .mlp, ...: kernels/activation_parts.py
+PART_PREFIX = "activations."  # activations.attention, .mlp, ...: kernels/measure/activation_parts.py
 
 
 def _add(into: dict[str, Any], key: str, value: float | None) -> None:

@@ -1,13 +1,13 @@
 """PipelineTimeline: one measured pipeline step per rank, replayed in event order beside the plan.
 
-Inputs (``kernels.records`` records, or their ``to_dict()`` dicts, checked by ``from_dict``):
+Inputs (``kernels.contract.records`` records, or their ``to_dict()`` dicts, checked by ``from_dict``):
 
 - ``events``: ``TraceEvent`` records in seconds on clocks aligned to rank 0, or the rank
   trace records ``{"events": [...], ...}`` that hold them. One step is shown (the
   bubble's, else the last).
 - ``bubble``: a ``BubbleReport``, shown unchanged (docs/design.md#bubble-ratio: per-rank idle, mean,
   theory ``(p-1)/(m+p-1)`` and Megatron's ``(p-1)/m``; synthetic or real compute).
-- ``planned``: ``{rank: [[stage, "F"|"B"|"I"|"W", microbatch], ...]}`` (``lab.timeline.planned_order``
+- ``planned``: ``{rank: [[stage, "F"|"B"|"I"|"W", microbatch], ...]}`` (``lab.measure.timeline.planned_order``
   for GPipe/1F1B, torch's ``record["planned"]`` otherwise), laid out with the measured
   mean duration per letter, each action once its rank is free and its input exists.
 

@@ -1,6 +1,6 @@
 """ShardingView: which slice of every parameter each rank really holds, as built by the ranks.
 
-Input: the per-rank layout records ``kernels.train.train_rank`` returns (``RunResult.layout``,
+Input: the per-rank layout records ``kernels.train.entry.train_rank`` returns (``RunResult.layout``,
 or the whole ``RunResult`` dict, or ``{"ranks": [...]}``); the schema is in
 ``widgets._layout``. One ``.cl-shard-row`` per rank, with three layers: parameters,
 gradients (laid out as the parameters at rest) and optimizer state (ZeRO-1: only

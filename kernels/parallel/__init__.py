@@ -9,5 +9,5 @@
 - ``strategy``: the frozen ``Strategy`` a run config resolves to;
 - ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP.
 
-The teaching twin ``kernels.data_parallel_naive`` stays outside, a hand-written DDP for the notebooks.
+The teaching twin ``kernels.train.data_parallel_naive`` stays outside, a hand-written DDP for the notebooks.
 """

@@ -8,7 +8,7 @@ mesh: it changes what autograd saves, not where tensors live.
 
 Run alone (TP 2 x FSDP 2 with AC, beside the one-process reference)::
 
-    torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3 --activation-checkpointing
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 2 --tp 2 --zero 3 --activation-checkpointing
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def apply_compile(model: nn.Module) -> nn.Module:
 if __name__ == "__main__":
     import torch
 
-    from kernels.model import GPTConfig, build_gpt, loss_fn
+    from kernels.model.gpt import GPTConfig, build_gpt, loss_fn
 
     cfg = GPTConfig(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
     x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))

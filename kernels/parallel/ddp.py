@@ -3,7 +3,7 @@
 Algorithm: synchronous data parallelism with bucketed gradient all-reduce overlapped
 with backward (Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating
 Data Parallel Training", VLDB). Every dp rank holds the whole model, runs forward and
-backward on its own shard of the global batch (``kernels.data.shard_batch``), and
+backward on its own shard of the global batch (``kernels.train.data.shard_batch``), and
 DDP's autograd hooks all-reduce each bucket of gradients as soon as it is ready:
 
 - forward: nothing is communicated (the first forward broadcasts rank 0's weights
@@ -16,7 +16,7 @@ gradients only add up locally) and all-reduces once, on the last micro-batch.
 
 Run alone (DDP on 2 ranks, compared with one process)::
 
-    torchrun --nproc-per-node 2 -m kernels.train --dp 2
+    torchrun --nproc-per-node 2 -m kernels.train.entry --dp 2
 """
 from __future__ import annotations
 

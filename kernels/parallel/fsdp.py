@@ -26,8 +26,8 @@ we ask FSDP for SUM plus an explicit divide (``set_force_sum_reduction_for_comms
 
 Run alone (ZeRO-3 on 4 ranks, and 2D TP x FSDP)::
 
-    torchrun --nproc-per-node 4 -m kernels.train --dp 4 --zero 3
-    torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 4 --zero 3
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 2 --tp 2 --zero 3
 """
 from __future__ import annotations
 

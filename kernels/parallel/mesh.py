@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kernels.layout_rules import MESH_AXES, coords, mesh_order_problems
+from kernels.contract.layout_rules import MESH_AXES, coords, mesh_order_problems
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ the schedule's device buffer when the schedule waits on it. Sizes, order, peers 
 the schedule's own, so the schedule cannot tell.
 
 The hook is torch's ``schedules._batch_p2p``, through which every schedule sends and receives
-(``kernels.trace`` wraps the same function to time p2p: staging goes on first, so the tracer
+(``kernels.measure.trace`` wraps the same function to time p2p: staging goes on first, so the tracer
 sees the schedule's own ops and times the staged transfer).
 
 Run alone (two CPU ranks, every transfer staged, beside the same step unstaged)::
@@ -95,7 +95,7 @@ def needs_staging(device: torch.device, group: dist.ProcessGroup | None) -> bool
 def _selftest(rank: int, port: int) -> None:
     import os
 
-    from kernels.model import loss_fn
+    from kernels.model.gpt import loss_fn
     from kernels.parallel.pipeline import build_pipeline, pipeline_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -20,7 +20,7 @@ DDP: Li et al., 2020). The order is fixed, and each step needs the one before:
 
 Run alone (TP 2 x FSDP 2, beside the one-process reference)::
 
-    torchrun --nproc-per-node 4 -m kernels.train --dp 2 --tp 2 --zero 3
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 2 --tp 2 --zero 3
 """
 from __future__ import annotations
 

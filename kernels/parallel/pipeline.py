@@ -18,20 +18,19 @@ send/recv) in the order a schedule prescribes:
   that pairs forward and backward chunks.
 
 All of them come from ``torch.distributed.pipelining``; this module only decides
-the stage placement, cuts the model with ``kernels.model.keep_stage`` and scales
+the stage placement, cuts the model with ``kernels.model.gpt.keep_stage`` and scales
 the loss so the gradients equal the one-process reference.
 
-Run alone (two CPU ranks, checks the losses against one process)::
+``kernels.train.entry.train_rank`` composes it with DP, FSDP and TP on a (pp, dp, tp) mesh.
+To run it alone (two CPU ranks, losses checked against one process), go through that
+entry point, which sits above this module::
 
-    torchrun --nproc-per-node 2 -m kernels.parallel.pipeline [schedule]
-
-``kernels.train.train_rank`` composes it with DP, FSDP and TP on a (pp, dp, tp) mesh.
+    torchrun --nproc-per-node 2 -m kernels.train.entry --pp 2 --layers 4 --heads 2 \
+        --schedule 1f1b --microbatches 4 --global-batch 8
 """
 from __future__ import annotations
 
 import copy
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,11 +42,11 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
     ScheduleZBVZeroBubble)
 
-from kernels import layout_rules
-from kernels.model import GPTConfig, build_gpt, keep_stage
+from kernels.contract import layout_rules
+from kernels.model.gpt import GPTConfig, build_gpt, keep_stage
 
 # gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
-# Names and placement families: kernels.layout_rules.
+# Names and placement families: kernels.contract.layout_rules.
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -191,13 +190,3 @@ def planned_compute_order(runtime: PipelineRuntime, pp_rank: int) -> list[list] 
     except (AttributeError, TypeError, ValueError):
         return None
 
-
-if __name__ == "__main__":
-    # The same stages through kernels.train.train_rank, compared with one process there.
-    from kernels.train import main
-
-    world = int(os.environ.get("WORLD_SIZE", "2"))
-    schedule = sys.argv[1] if len(sys.argv) > 1 else "1f1b"
-    m = 2 * world * layout_rules.default_stages_per_rank(schedule)  # satisfies every schedule's micro-batch rule
-    main(["--pp", str(world), "--schedule", schedule, "--layers", str(2 * world), "--heads", "2",
-          "--microbatches", str(m), "--global-batch", str(2 * m)])

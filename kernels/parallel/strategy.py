@@ -4,7 +4,7 @@ Algorithm: none of its own; it names the composition torchtitan's ``parallelize`
 applies (Megatron TP: Shoeybi et al., 2019; ZeRO: Rajbhandari et al., 2020; FSDP:
 Zhao et al., 2023) and the rules for combining them:
 
-- ``zero`` (or an FSDP strategy name, ``kernels.layout_rules.zero_stage``) picks how
+- ``zero`` (or an FSDP strategy name, ``kernels.contract.layout_rules.zero_stage``) picks how
   gradients meet over dp: DDP (0), ZeRO-1 (1) or FSDP2 (2, 3; hybrid: HSDP);
 - TP with dp > 1 and zero < 2, outside a pipeline, replicates with FSDP2 on a
   (dp, 1) HSDP mesh: DDP cannot take TP's DTensors;
@@ -24,9 +24,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kernels import layout_rules
+from kernels.contract import layout_rules
 from kernels.parallel.mesh import ParallelDims
-from kernels.run_config import RunConfig
+from kernels.contract.run_config import RunConfig
 
 
 class GradSync(enum.Enum):

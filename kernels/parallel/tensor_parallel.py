@@ -4,7 +4,7 @@ Algorithm: Megatron-LM tensor parallelism (Shoeybi et al., 2019, "Megatron-LM:
 Training Multi-Billion Parameter Language Models Using Model Parallelism") and its
 sequence parallelism (Korthikanti et al., 2022, "Reducing Activation Recomputation
 in Large Transformer Models"), written as torchtitan writes them: plain plan dicts, kept beside each model
-(``kernels.model.GPT.tp_plan``, ``kernels.llama.Llama.tp_plan``).
+(``kernels.model.gpt.GPT.tp_plan``, ``kernels.model.llama.Llama.tp_plan``).
 
 In each block, on the tp axis of the mesh:
 
@@ -25,8 +25,8 @@ is computed without gathering them (``torch.distributed.tensor.parallel.loss_par
 
 Run alone (TP on 4 ranks, then with sequence parallelism)::
 
-    torchrun --nproc-per-node 4 -m kernels.train --tp 4
-    torchrun --nproc-per-node 4 -m kernels.train --tp 4 --sequence-parallel
+    torchrun --nproc-per-node 4 -m kernels.train.entry --tp 4
+    torchrun --nproc-per-node 4 -m kernels.train.entry --tp 4 --sequence-parallel
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
              loss_parallel: bool = False) -> nn.Module:
     """Shard ``model`` (a whole model or a pipeline stage) over the 1D ``tp_mesh`` in place.
 
-    The plan is the model's own (``tp_plan``, beside the model: ``kernels.model.GPT``,
-    ``kernels.llama.Llama``), as are the sizes that must divide by tp (``tp_sizes``).
+    The plan is the model's own (``tp_plan``, beside the model: ``kernels.model.gpt.GPT``,
+    ``kernels.model.llama.Llama``), as are the sizes that must divide by tp (``tp_sizes``).
     Every tp rank must hold the same weights (built from one seed, or on the meta device).
     """
     tp = tp_mesh.size()

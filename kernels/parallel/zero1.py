@@ -16,7 +16,7 @@ ZeRO-2 and ZeRO-3 are FSDP2's ``fully_shard`` (``kernels.parallel.fsdp``).
 
 Run alone (ZeRO-1 on 4 ranks)::
 
-    torchrun --nproc-per-node 4 -m kernels.train --dp 4 --zero 1
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 4 --zero 1
 """
 from __future__ import annotations
 

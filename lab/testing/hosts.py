@@ -29,8 +29,8 @@ from typing import Iterator
 
 import ipyparallel as ipp
 
-from lab import launch
-from lab.cluster import Cluster
+from lab.pool import launch
+from lab.pool.cluster import Cluster
 from lab.testing.link_check import measure_gbit
 from lab.testing.netns import Network, new_network
 

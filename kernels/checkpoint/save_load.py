@@ -1,0 +1,355 @@
+"""Save and load training state under any layout with ``torch.distributed.checkpoint`` (DCP).
+
+Algorithm: DCP's sharded save and resharding load. ``get_state_dict`` turns the model and
+optimizer of any layout into one logical state dict keyed by the parameters' names
+(``kernels.model.gpt.GPT``'s own ``state_dict`` keys): DDP's wrapper is looked through, FSDP2
+(ZeRO-2/3, HSDP, bf16, CPU offload) and TP/SP leave DTensors whose shards DCP writes once
+each, replicated plain tensors are written by one rank (DCP's de-duplication). The
+optimizer state is flattened per parameter (``optim.state.<name>.exp_avg``), so any other
+partition of the parameters, another layout or world size, reads its own pieces: DCP's
+load plans each rank's reads from the saved chunks' offsets. The optimizer's settings (lr,
+betas, ...) are the same for every parameter of the lab's one AdamW group, so they are
+saved once (``optim_settings.<field>``) rather than per parameter and field, which would
+be three in four of a small GPT's entries, each pickled, listed in the metadata that every
+save gathers and broadcasts, and read back by every rank; an optimizer whose parameters
+differ keeps the per-parameter form (``optim.param_groups.<name>.<field>``), and a load
+reads either.
+
+- Pipeline stages: the model passed is the ``nn.ModuleList`` of this rank's stages; its
+  index prefix ("0.", "1.") is dropped from every key, which leaves the GPT's names (each
+  stage keeps the names of the blocks it holds).
+- ZeRO-1: a ``ZeroRedundancyOptimizer`` holds the AdamW state of the parameters its rank
+  owns in its local optimizer (``.optim``); that one goes through ``get_state_dict``, so
+  each dp rank writes the state of its own partition, and on load each rank reads the
+  state of the partition it owns now (another dp size partitions differently).
+- Completeness: every rank writes under ``<path>.partial``; once DCP's collective finish
+  has written the global metadata, rank 0 writes ``meta.json`` and renames the directory
+  to ``path``. A save killed before that leaves ``path`` absent (``kernels.checkpoint.files``).
+- Asynchronous save (``AsyncSaver``): ``dcp.async_save`` copies the state to CPU memory
+  (into the buffers of the run's first save: ``kernels.checkpoint.staging_buffers``) and writes it
+  from a background thread over a separate gloo group; rank 0 renames when its write
+  (which ends after everyone's) is done. DCP's plan cache is on: the saves of one run
+  after the first skip gathering and checking the plans again.
+
+Run alone (saves under DP 2, loads under TP 2, checks the weights)::
+
+    torchrun --nproc-per-node 2 -m kernels.checkpoint.save_load
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from kernels.checkpoint.files import META_NAME, PARTIAL_SUFFIX, CheckpointMissingError, check_against, tensor_shapes
+from kernels.parallel.ddp import unwrap
+from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_SETTINGS_HEAD = "param_groups."
+SHARED_SETTINGS = "optim_settings"  # the settings every parameter shares, saved once: optim_settings.<field>
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeRO-1's per-rank AdamW (the state of this rank's partition), else the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _is_stages(model: nn.Module) -> bool:
+    return isinstance(model, nn.ModuleList)
+
+
+def _strip(key: str, stages: bool) -> str:
+    """A stage list's key without its index: "0.blocks.1.attn.q.weight" -> "blocks.1.attn.q.weight"."""
+    if not stages:
+        return key
+    for head in ("state.", "param_groups."):  # flattened optimizer keys: <head><fqn>.<field>
+        if key.startswith(head):
+            return head + key[len(head):].split(".", 1)[1]
+    return key.split(".", 1)[1]
+
+
+def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict, dict]:
+    """(model, optimizer, key map) state dicts keyed by the GPT's names; the map leads back to the module's own keys."""
+    model = unwrap(model)
+    stages = _is_stages(model)
+    if optimizer is None:
+        model_sd, optim_sd = get_state_dict(model, [], options=_OPTIONS)
+    else:
+        model_sd, optim_sd = get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+    back = {_strip(k, stages): k for k in [*model_sd, *optim_sd]}
+    return ({_strip(k, stages): v for k, v in model_sd.items()},
+            {_strip(k, stages): v for k, v in optim_sd.items()}, back)
+
+
+def _settings_of(optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """The flattened optimizer settings, ``param_groups.<name>.<field>`` (lr, betas, ...), of a logical state."""
+    return {k: v for k, v in optim_sd.items() if k.startswith(_SETTINGS_HEAD)}
+
+
+def _field(settings_key: str) -> str:
+    return settings_key.rsplit(".", 1)[1]  # a name may hold dots, a field never does
+
+
+def shared_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """``{field: value}`` when every parameter has the same settings (the lab's one AdamW group), else None."""
+    shared: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, torch.Tensor):  # a tensor lr (capturable AdamW): kept per parameter
+            return None
+        if shared.setdefault(_field(key), value) != value:
+            return None
+    return shared or None
+
+
+def _payload(model: nn.Module, optimizer, rank: int, optimizer_settings: bool = True) -> dict[str, Any]:
+    model_sd, optim_sd, _ = logical_state(model, optimizer)
+    settings = _settings_of(optim_sd)
+    payload = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k not in settings},
+               "rng": {str(rank): torch.get_rng_state()}}
+    if not optimizer_settings:  # see load_checkpoint
+        return payload
+    shared = shared_settings(settings)
+    if shared is None:
+        payload["optim"].update(settings)
+    else:
+        payload[SHARED_SETTINGS] = shared
+    return payload
+
+
+def _finalize(partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
+    """Rank 0, after every rank's write: meta last, then the final name (replacing an older save of that step)."""
+    meta = {**meta, "saved_at": time.time(), "save_seconds": time.perf_counter() - began}
+    (partial / META_NAME).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=final.name + ".old-", dir=final.parent))
+        final.rename(old / final.name)
+        shutil.rmtree(old)
+    partial.rename(final)
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer, meta: dict[str, Any],
+                    process_group: dist.ProcessGroup | None = None, *, optimizer_settings: bool = True) -> None:
+    """Save ``model`` and ``optimizer`` (any layout) and ``meta`` to the step directory ``path``; every rank calls it.
+
+    ``meta`` is plain JSON: the step, the data position, the run config, the last loss.
+    Each rank's CPU RNG state is saved beside the tensors. ``path`` exists only once the
+    save is complete (module docstring). ``optimizer_settings=False`` leaves out the
+    optimizer's settings (lr, betas, ...): only a load with ``optimizer_settings=False``
+    reads such a checkpoint (a relayout's passage).
+    """
+    final = Path(path)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    rank, began = dist.get_rank(process_group), time.perf_counter()
+    dcp.save(_payload(model, optimizer, dist.get_rank(), optimizer_settings), checkpoint_id=str(partial),
+             process_group=process_group)
+    if rank == 0:  # dcp.save returned: its collective finish wrote .metadata after every rank's files
+        _finalize(partial, final, meta, began)
+    dist.barrier(group=process_group)  # nobody goes on (or loads) before the checkpoint carries its name
+
+
+class _CachedPlans(DefaultSavePlanner):
+    """DCP's default planner with its plan cache on, under a key of its own.
+
+    DCP caches the save plans (and skips gathering the unchanged ones) under the planner's
+    key, by default its class name, process-wide: one key per saver keeps a later run of
+    another layout on the same warm engine from merging with this one's plans.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = key
+
+
+class AsyncSaver:
+    """``checkpoint_async=True``: each save is staged to CPU memory now and written in the background.
+
+    One save is in flight at a time (the next waits for it, so it may copy into the same
+    staging buffers); ``wait()`` finishes the last.
+    The background writes use their own gloo group, so they never interleave with the
+    training's collectives on the default group.
+    """
+
+    def __init__(self, ranks: list[int] | None = None) -> None:
+        # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
+        self.group = dist.new_group(ranks, backend="gloo")
+        # Every save of one run has the same keys and shards: after the first, DCP reuses its plans,
+        # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
+        self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
+        self.stager = ReusedStagingBuffers()
+        self.pending: Future | None = None
+
+    def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
+        """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
+        self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
+        final, began = Path(path), time.perf_counter()
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
+                                process_group=self.group, planner=self.planner, async_stager=self.stager)
+        meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
+        if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
+            named: Future = Future()
+            future.add_done_callback(lambda f: self._finalize(f, named, partial, final, meta, began))
+            future = named
+        self.pending = future
+
+    @staticmethod
+    def _finalize(written: Future, named: Future, partial: Path, final: Path, meta: dict[str, Any],
+                  began: float) -> None:
+        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; ``named`` carries any error."""
+        try:
+            written.result()
+            _finalize(partial, final, meta, began)
+            named.set_result(None)
+        except BaseException as error:  # handed on whole to whoever waits on ``named``
+            named.set_exception(error)
+
+    def _finish_local(self, barrier: bool = False) -> None:
+        """Wait for this rank's save in flight (raising its error); with ``barrier``, for every rank's too."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            finally:  # every rank meets here, a failed one too, before its error goes up
+                if barrier:
+                    dist.barrier(group=self.group)
+
+    def wait(self) -> None:
+        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to see it named."""
+        self._finish_local(barrier=True)
+
+    def close(self) -> None:
+        """Finish the last save, free the staging buffers and destroy the group."""
+        self.wait()
+        self.stager.close()
+        dist.destroy_process_group(self.group)
+
+
+def _expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.ProcessGroup | None = None,
+                    *, optimizer_settings: bool = True) -> dict[str, Any]:
+    """Load a complete step directory into ``model`` and ``optimizer`` of any layout; returns its meta.
+
+    Every rank calls it (without an initialized process group, one process loads the whole
+    model: the reference). Raises ``CheckpointMismatchError`` naming the first mismatched
+    keys and shapes, ``CheckpointMissingError`` naming what is missing. This rank's RNG
+    state is restored when the checkpoint holds one for its rank. ``optimizer_settings=False``
+    keeps the optimizer's own settings (lr, betas, ...) instead of reading them, as a
+    relayout does: its optimizer is made from the same run config as the saved one.
+    """
+    model_sd, optim_sd, back = logical_state(model, optimizer)
+    settings = _settings_of(optim_sd)
+    optim_sd = {k: v for k, v in optim_sd.items() if k not in settings}
+    stored = tensor_shapes(path)  # DCP's metadata file, read once per load
+    check_against(path, _expected_shapes(model_sd, "model"), stored=stored)
+    # Only an optimizer with state to restore needs it: plain SGD keeps none (its state dict is settings alone).
+    if optim_sd and not any(k.startswith("optim.") for k in stored):
+        raise CheckpointMissingError(f"checkpoint {path} holds no optimizer state (weights only)")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    payload: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    kept, read_shared = settings, []  # optimizer_settings=False keeps the optimizer's own
+    if optimizer_settings:  # each setting as saved: per parameter (flattened), or once for all
+        payload["optim"].update({k: v for k, v in settings.items() if f"optim.{k}" in stored})
+        read_shared = [k for k in settings if k not in payload["optim"]]
+        payload.update(_shared_settings_to_read(path, stored, read_shared, settings))
+    if f"rng.{rank}" in stored:
+        payload["rng"] = {str(rank): torch.get_rng_state()}
+    with warnings.catch_warnings():  # one process (the reference) loading the whole model is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(payload, checkpoint_id=path, process_group=process_group)
+    if optimizer_settings:  # the per-parameter ones were read into payload["optim"]
+        kept = {k: payload[SHARED_SETTINGS][_field(k)] for k in read_shared}
+    inner = unwrap(model)
+    set_state_dict(inner, [] if optimizer is None else _local_optimizer(optimizer),
+                   model_state_dict={back[k]: v for k, v in payload["model"].items()},
+                   optim_state_dict={back[k]: v for k, v in {**kept, **payload["optim"]}.items()},
+                   options=_OPTIONS)
+    if "rng" in payload:
+        torch.set_rng_state(payload["rng"][str(rank)])
+    return json.loads((Path(path) / META_NAME).read_text())
+
+
+def _shared_settings_to_read(path: str, stored: dict[str, Any], keys: list[str],
+                             settings: dict[str, Any]) -> dict[str, Any]:
+    """The part of a load's payload that reads the shared settings ``keys`` need (raising when they are not there)."""
+    fields = {_field(k): settings[k] for k in keys}
+    missing = [f for f in fields if f"{SHARED_SETTINGS}.{f}" not in stored]
+    if missing:
+        raise CheckpointMissingError(f"checkpoint {path} lacks the optimizer setting(s) {', '.join(missing)} "
+                                     f"of {keys[0].removeprefix(_SETTINGS_HEAD).rsplit('.', 1)[0]}")
+    return {SHARED_SETTINGS: fields} if fields else {}
+
+
+def load_weights(path: str, model: nn.Module) -> None:
+    """Load a safetensors file of whole weights (GPT names) into ``model`` of any layout; the optimizer stays fresh.
+
+    Each rank reads the file and keeps its own pieces: ``set_model_state_dict`` with full
+    tensors distributes each onto the parameter's DTensor placements; a pipeline stage
+    takes only the names it holds.
+    """
+    from safetensors.torch import load_file
+
+    inner = unwrap(model)
+    own, _, back = logical_state(inner, None)
+    full = load_file(path)
+    expected = {f"model.{k}": tuple(v.shape) for k, v in own.items()}
+    _check_weights(path, full, expected)
+    options = StateDictOptions(full_state_dict=True, strict=not _is_stages(inner))
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(inner, {back[k]: full[k] for k in own}, options=options)
+
+
+def _check_weights(path: str, full: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """The safetensors file's names and shapes against the model's (``check_against``'s errors)."""
+    from kernels.checkpoint.files import CheckpointMismatchError
+
+    wrong = [f"{k[6:]}: file {list(full[k[6:]].shape)}, model {list(s)}"
+             for k, s in expected.items() if k[6:] in full and tuple(full[k[6:]].shape) != s]
+    if wrong:
+        raise CheckpointMismatchError(f"weights {path} are of another model shape; first mismatched: "
+                                      + "; ".join(wrong[:3]))
+    missing = [k[6:] for k in expected if k[6:] not in full]
+    if missing:
+        raise CheckpointMissingError(f"weights {path} lack {', '.join(missing[:3])}")
+
+
+def _demo() -> None:
+    """DP 2 saves, TP 2 loads: the gathered weights must be equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels.model.gpt import GPTConfig, build_gpt
+    from kernels.parallel.fsdp import full_parameters
+    from kernels.parallel.tensor_parallel import apply_tp
+
+    dist.init_process_group("gloo")
+    cfg = GPTConfig(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
+    path = os.environ.get("CKPT", "/tmp/kernels-checkpoint-demo/step_000000")
+    saved = build_gpt(cfg)
+    save_checkpoint(path, saved, torch.optim.AdamW(saved.parameters()), {"step": 0})
+    loaded = build_gpt(GPTConfig(**{**cfg.__dict__, "seed": 1}))
+    apply_tp(loaded, init_device_mesh("cpu", (dist.get_world_size(),)))
+    load_checkpoint(path, loaded, torch.optim.AdamW(loaded.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(full_parameters(saved).values(), full_parameters(loaded).values()))
+    print(f"rank {dist.get_rank()}: weights equal after DP -> TP: {same}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _demo()

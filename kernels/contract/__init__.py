@@ -1,0 +1,1 @@
+"""The lab's vocabulary, shared by driver, ranks and views: records, layout and config rules, run config, schedule simulation. Standard library only, so the driver and the widgets import it without torch."""

@@ -1,0 +1,287 @@
+"""A small GPT (decoder-only transformer) that every parallel layout trains.
+
+The model is GPT-2 (Radford et al., 2019, "Language Models are Unsupervised
+Multitask Learners") in the style of Karpathy's nanoGPT: pre-LN blocks of causal
+multi-head self-attention and a GELU MLP, learned position embeddings, and a final
+LayerNorm. It is read in one sitting: Attention -> MLP -> Block -> GPT.
+
+Choices made for the parallel layouts built on top of it:
+
+- Submodule names are short and stable, so tensor-parallel plans are plain dicts
+  (``{"attn.q": ColwiseParallel(), "attn.out": RowwiseParallel(), ...}``) and
+  checkpoints keep the same keys under every layout.
+- ``blocks`` is an ``nn.ModuleDict`` keyed "0".."L-1" (as in torchtitan): a pipeline
+  stage deletes the blocks it does not own and the rest keep their names, e.g.
+  ``blocks.2.attn.q.weight`` on every stage and in the one-process reference.
+- Any of ``tok_emb``/``pos_emb`` and ``norm``/``lm_head`` may be ``None``: a non-first
+  stage takes hidden states (B, T, C) and a non-last stage returns them.
+  ``keep_stage`` does that split.
+- The LM head is not tied to the token embedding, so no weight is shared across
+  pipeline stages.
+- Attention reads the number of heads from the width of the q projection's output,
+  so it works unchanged when tensor parallelism leaves heads/tp heads on each rank.
+- Initialisation is seeded per parameter name (``init_weights``), so the weights do
+  not depend on the global RNG, on which blocks a stage kept, or on the device.
+
+Run alone (builds the default model, prints its size and one loss)::
+
+    python -m kernels.model.gpt
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from kernels.contract import config_rules, layout_rules
+from kernels.contract.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int = 4
+    d_model: int = 64
+    heads: int = 4
+    vocab: int = 256
+    seq_len: int = 32  # the longest sequence: the number of position embeddings
+    d_ff: int | None = None  # MLP hidden width; None means 4 * d_model (set in __post_init__)
+    seed: int = 0  # initial weights depend on this seed only (see init_weights)
+    bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
+
+    def __post_init__(self) -> None:
+        if self.d_ff is None and config_rules.is_int(self.d_model):
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        problems = config_rules.model_problems({name: getattr(self, name) for name in config_rules.MODEL_KEYS})
+        problems += config_rules.seed_problems({"seed": self.seed})
+        if problems:
+            raise config_rules.ConfigError(problems)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, n*hd) -> (B, n, T, hd): a projection's output as n heads (n = its width / head_dim)."""
+    B, T, _ = x.shape
+    return x.view(B, T, -1, head_dim).transpose(1, 2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        # Separate q/k/v (not one fused c_attn) so each can be sharded column-wise by heads.
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, C)
+        # Under TP the projections give this rank's heads only: (B, T, C/tp), so the
+        # head count comes from the output width, not from the config.
+        q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))  # (B, h, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h*hd)
+        return self.out(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.fc_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc_in(x))  # (B, T, d_ff), or (B, T, d_ff/tp) under TP
+        return self.fc_out(h)  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The model chooses the four parts (GPT: LayerNorm and GELU MLP; Llama: RMSNorm and SwiGLU);
+    they are built in this order by the caller, so a seeded initialisation stays the same.
+    """
+
+    def __init__(self, attn_norm: nn.Module, attn: nn.Module, mlp_norm: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))  # (B, T, C)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(nn.LayerNorm(cfg.d_model, bias=cfg.bias), CausalSelfAttention(cfg),
+                                                   nn.LayerNorm(cfg.d_model, bias=cfg.bias), MLP(cfg))
+                                     for i in range(cfg.layers)})
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T) -> logits (B, T, V); a pipeline stage may take or give (B, T, C)."""
+        if self.tok_emb is not None:  # first stage: x holds token ids (B, T)
+            pos = torch.arange(x.size(1), device=x.device)  # (T,)
+            x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, C)
+        if self.norm is not None:
+            x = self.norm(x)  # (B, T, C)
+        if self.lm_head is not None:  # last stage
+            x = self.lm_head(x)  # (B, T, V)
+        return x
+
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits: each must be divisible by tp."""
+        c = self.config
+        return {"heads": c.heads, "d_ff": c.d_ff, "vocab": c.vocab, "seq_len": c.seq_len}
+
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
+        """(plan of every block, plan of the modules outside them) for ``parallelize_module``."""
+        return block_tp_plan(sequence_parallel), outer_tp_plan(sequence_parallel, loss_parallel)
+
+
+def block_tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """The Megatron TP plan of one Block (kernels.parallel.tensor_parallel explains the collectives)."""
+    if not sequence_parallel:
+        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.out": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    # SP: the residual stream between blocks is (B, T/tp, C) on each rank, Shard(1).
+    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "attn_norm": SequenceParallel(),  # LayerNorm on (B, T/tp, C)
+        "attn": gather_input,  # all_gather to (B, T, C); backward: reduce_scatter
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.out": RowwiseParallel(output_layouts=Shard(1)),  # reduce_scatter to (B, T/tp, C)
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.fc_in": ColwiseParallel(),
+        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+    """The TP plan of the embeddings, final norm and LM head."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        # Row-parallel embedding: each rank looks up its vocab rows (zeros elsewhere),
+        # forward all_reduce (or reduce_scatter over T under SP), backward identity.
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # Positions (T,) -> (T, C): the sequence dim is dim 0 here, so SP shards dim 0.
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(),
+                                   output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        # Column-parallel head: all_gather of the input (SP) then vocab-sharded logits;
+        # without loss_parallel the logits are all_gathered to (B, T, V) on every rank.
+        # They leave the model as a DTensor and loss_fn takes the local tensor: to_local()
+        # returns a view, and an FSDP2 unit that returns a view loses its pre-backward
+        # hook to any in-place op on it (torch warns on every forward).
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A seed for one parameter from the model seed and the parameter's stable name."""
+    return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    """GPT-2 init: N(0, 0.02) weights, zero biases, unit LayerNorm scales.
+
+    The residual projections (``attn.out``, ``mlp.fc_out``) get std 0.02/sqrt(2L), as
+    GPT-2 scales them for the 2L residual additions. Each tensor is drawn on the CPU
+    from its own generator seeded by (seed, name), then copied to the parameter's device.
+    """
+    std_residual = 0.02 / math.sqrt(2 * model.config.layers)
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if isinstance(module, nn.LayerNorm):
+                p.fill_(1.0 if p_name == "weight" else 0.0)
+            elif p_name == "bias":
+                p.zero_()
+            else:
+                residual = mod_name.endswith(("attn.out", "mlp.fc_out"))
+                g = torch.Generator().manual_seed(_param_seed(seed, name))
+                draw = torch.empty(p.shape).normal_(0.0, std_residual if residual else 0.02, generator=g)
+                p.copy_(draw)
+
+
+def model_config(run: RunConfig) -> GPTConfig:
+    """The GPTConfig a run names: its model fields with the run's seed."""
+    return GPTConfig(seed=run.seed, **run.model)
+
+
+def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
+    """Build the model with the weights that ``cfg.seed`` fixes (same on every call).
+
+    Modules are created on the meta device (so the global RNG is not used) and then
+    materialised on ``device`` and initialised by ``init_weights``.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    init_weights(model, cfg.seed)
+    return model
+
+
+def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
+    """Cut ``model`` in place down to pipeline stage ``stage`` of ``num_stages``.
+
+    Stage 0 keeps the embeddings, the last stage keeps ``norm`` and ``lm_head``, and
+    each keeps its own contiguous blocks under their original names.
+    """
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
+    for name in list(model.blocks.keys()):
+        if name not in keep:
+            del model.blocks[name]
+    if stage != 0:
+        model.tok_emb = model.pos_emb = None
+    if stage != num_stages - 1:
+        model.norm = model.lm_head = None
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over all B*T tokens; logits (B, T, V), targets (B, T).
+
+    Under TP the logits are a DTensor: replicated (each rank holds them whole, so the
+    loss is its local tensor's) or, with loss_parallel, sharded on the vocab dim.
+    """
+    if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
+        logits = logits.to_local()
+    # .float(): compute the softmax in fp32 even when the logits are bf16.
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters (a DTensor counts with its global shape; shared ones once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+if __name__ == "__main__":
+    cfg = GPTConfig()
+    gpt = build_gpt(cfg)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq_len))
+    logits = gpt(tokens)  # (2, T, V)
+    print(f"{count_parameters(gpt):,} parameters; logits {tuple(logits.shape)}; "
+          f"loss {loss_fn(logits, tokens).item():.3f} (ln V = {math.log(cfg.vocab):.3f})")

@@ -1,0 +1,221 @@
+"""A Llama-style decoder whose shapes come from a config dict, built for meta-device sizing.
+
+The model is Llama 3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models";
+Touvron et al., 2023, "LLaMA"): pre-norm blocks of RMSNorm (Zhang & Sennrich, 2019),
+grouped-query attention with rotary positions (Ainslie et al., 2023, "GQA"; Su et al.,
+2021, "RoFormer") and a SwiGLU MLP (Shazeer, 2020, "GLU Variants Improve Transformer"),
+with an output head that is not tied to the token embedding. It is read in one sitting:
+Attention -> MLP -> Block -> Llama.
+
+Why it exists beside ``kernels.model.gpt.GPT``: ``kernels.measure.dry_run`` builds one rank's shard
+of a 70B/405B layout on the ``meta`` device, where nothing is allocated, so the shapes
+must be the real ones. Choices made for that:
+
+- q/k/v/o are separate Linears (k and v are ``kv_heads * head_dim`` wide), and the MLP
+  is gate/up/down, so the Megatron TP plan is a plain dict (colwise q/k/v/gate/up,
+  rowwise o/down), as in torchtitan.
+- ``blocks`` is an ``nn.ModuleDict`` keyed "0".."L-1", so a pipeline stage deletes the
+  blocks it does not own and the rest keep their names (``keep_layers``).
+- The same class also covers the GPT-style presets of ``lab.planning.plan_models`` when asked:
+  ``gated_mlp=False`` (two MLP matrices, GELU), ``bias=True`` (biases, LayerNorm),
+  ``learned_pos=True`` (a position table) and ``tied_embeddings=True``, so a parameter
+  count from this model equals the planner's shape-derived count.
+- Attention reads its head counts from the widths of q and k, so it runs unchanged when
+  tensor parallelism leaves heads/tp and kv_heads/tp heads on each rank.
+
+Run alone (builds Llama-3-70B on meta and prints its parameter count)::
+
+    python -m kernels.model.llama
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from kernels.contract import layout_rules
+from kernels.model.gpt import Block, split_heads
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    layers: int = 2
+    hidden: int = 64  # d_model
+    heads: int = 4  # query heads
+    kv_heads: int | None = None  # key/value heads (GQA); None means = heads
+    ffn: int = 256  # MLP inner width
+    vocab: int = 256
+    seq_len: int = 32  # only sizes the learned position table, when there is one
+    gated_mlp: bool = True  # SwiGLU gate/up/down; False: GPT's up/down with GELU
+    tied_embeddings: bool = False  # lm_head reuses tok_emb.weight
+    learned_pos: bool = False  # a (seq_len, hidden) position table instead of RoPE
+    bias: bool = False  # Linear biases and LayerNorm instead of RMSNorm (GPT, BERT)
+    rope_theta: float = 500000.0  # Llama 3's RoPE base
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"LlamaConfig: hidden={self.hidden} must divide by heads={self.heads}, "
+                             f"and heads by kv_heads={self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
+        """From a plain dict (e.g. ``ModelSpec.to_dict()``); keys that are not fields are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in cfg.items() if k in names and v is not None})
+
+
+def _norm(cfg: LlamaConfig) -> nn.Module:
+    if cfg.bias:
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate (B, h, T, hd) by position (rotate-half form, as in Hugging Face Llama)."""
+    T, hd = x.shape[-2], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)  # (hd/2,)
+    angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, hd/2)
+    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)  # (T, hd)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.use_rope = cfg.head_dim, cfg.rope_theta, not cfg.learned_pos
+        kv_dim = cfg.kv_heads * cfg.head_dim  # GQA shrinks only k and v
+        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.v = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, C)
+        # Under TP these are this rank's heads/tp query and kv_heads/tp key/value heads.
+        q = split_heads(self.q(x), self.head_dim)  # (B, h, T, hd)
+        k, v = split_heads(self.k(x), self.head_dim), split_heads(self.v(x), self.head_dim)  # (B, kv, T, hd)
+        if self.use_rope:
+            q, k = rope(q, self.theta), rope(k, self.theta)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, hd)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); without gating, GPT's down(gelu(up(x)))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias) if cfg.gated_mlp else None
+        self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return self.down(F.gelu(self.up(x)))  # (B, T, C)
+        return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, ffn[/tp]) -> (B, T, C)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.learned_pos else None
+        self.blocks = nn.ModuleDict({str(i): Block(_norm(cfg), Attention(cfg), _norm(cfg), MLP(cfg))
+                                     for i in range(cfg.layers)})
+        self.norm: nn.Module | None = _norm(cfg)
+        # Tied: no head module; forward reuses tok_emb.weight (one copy of the vocab matrix).
+        self.lm_head: nn.Linear | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden, cfg.vocab,
+                                                                                     bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T) -> logits (B, T, V); a pipeline stage may take or give (B, T, C)."""
+        if self.tok_emb is not None and not x.is_floating_point():  # first stage: token ids (B, T)
+            h = self.tok_emb(x)  # (B, T, C)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(x.size(1), device=x.device))  # (T, C) broadcast
+            x = h
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, C)
+        if self.norm is None:  # not the last stage
+            return x
+        x = self.norm(x)  # (B, T, C)
+        head = self.lm_head.weight if self.lm_head is not None else self.tok_emb.weight
+        return F.linear(x, head)  # (B, T, V)
+
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits: each must be divisible by tp."""
+        c = self.config
+        return {"heads": c.heads, "kv_heads": c.kv_heads, "ffn": c.ffn, "vocab": c.vocab}
+
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
+        """Megatron's plan: q/k/v/gate/up column-wise, o/down row-wise; the embedding row-parallel
+        over the vocab (forward all_reduce), the head column-parallel over it; norms replicated."""
+        if sequence_parallel or loss_parallel:
+            raise ValueError("Llama's TP plan has no sequence or loss parallelism")
+        block = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                 "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+        if self.config.gated_mlp:
+            block["mlp.gate"] = ColwiseParallel()
+        outer = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+                 "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        return block, outer
+
+
+def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device = "meta",
+                dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """Build the model on ``device`` (``meta``: shapes only, nothing allocated) in ``dtype``."""
+    cfg = cfg if isinstance(cfg, LlamaConfig) else LlamaConfig.from_dict(cfg)
+    with torch.device(device):
+        model = Llama(cfg)
+    model.to(dtype)
+    if device != "meta" and str(device) != "meta":
+        with torch.no_grad():  # small real models: N(0, 0.02) weights, so a forward is finite
+            for name, p in model.named_parameters():
+                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(0.0 if name.endswith("bias") else 1.0)
+    return model
+
+
+def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
+    """Cut ``model`` in place to one pipeline stage: its blocks, plus the embeddings on the
+    first stage and the final norm and head on the last.
+
+    A tied head on a last stage that is not also the first gets its own copy of the vocab
+    matrix (as Megatron does; the two copies are all-reduced in backward).
+    """
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
+    for name in [n for n in model.blocks if n not in keep]:
+        del model.blocks[name]
+    last = stage == num_stages - 1
+    if last and stage != 0 and model.lm_head is None:
+        emb = model.tok_emb.weight
+        model.lm_head = nn.Linear(emb.shape[1], emb.shape[0], bias=False, device=emb.device, dtype=emb.dtype)
+    if stage != 0:
+        model.tok_emb = model.pos_emb = None
+    if not last:
+        model.norm = model.lm_head = None
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters by global shape (a DTensor counts whole; a tied weight once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+if __name__ == "__main__":
+    llama3_70b = LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+    print(f"Llama-3-70B on meta: {count_parameters(build_llama(llama3_70b)):,} parameters")

@@ -1,0 +1,154 @@
+"""The rank function that trains the GPT under any layout: ``train_rank(cfg) -> records``.
+
+Algorithm: synchronous minibatch AdamW on a 3D (pp, dp, tp) mesh, composed the way
+torchtitan composes it (Megatron TP: Shoeybi et al., 2019; ZeRO: Rajbhandari et al.,
+2020; PyTorch FSDP: Zhao et al., 2023; activation recomputation: Chen et al., 2016;
+pipeline schedules: ``kernels.parallel.pipeline``). ``kernels.train.run_build.RankBuild``
+builds this rank's part of the layout the run config (a ``kernels.contract.run_config.RunConfig``
+as a plain dict) names: mesh, parallelized model or stages, optimizer, step function;
+``kernels.train.train_loop.train_loop`` runs the steps with it. ``world_size`` (default:
+every rank) trains on the first world_size ranks only; the others join the mesh's group
+creation and return an idle record.
+
+Records: losses and grad_norms (global, the same on every rank), step_times (this
+rank's), layout (coords, strategy, per-parameter global/local shapes and
+placements; with pp also dp_strategy, schedule, stage_ids and stage_layers) and
+params (this rank's parameters gathered whole, by name: every parameter, or with pp
+its stages'); with measure, measure (``kernels.train.measured_run``'s record); with trace (pp
+only), trace (``kernels.train.step_hooks.PipelineTracer``'s record); with watch_collectives or
+faults, waits (``kernels.watch.collective_log.StepWait`` dicts, from ``kernels.watch.rank_watch``).
+
+Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference)::
+
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 2 --tp 2 --zero 3
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kernels.contract import layout_rules
+from kernels.model.gpt import model_config
+from kernels.parallel.mesh import dp_group
+from kernels.watch.progress import reporter_for
+from kernels.watch.rank_watch import RankWatch
+from kernels.train.reference import train_reference
+from kernels.train.run_build import RankBuild, dims_and_strategy
+from kernels.train.run_checkpoints import RunCheckpoints, settle_ddp_buckets
+from kernels.contract.run_config import RunConfig
+from kernels.train.step_hooks import StepHooks
+from kernels.train.train_loop import train_loop
+
+
+def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
+    """Resume (when asked), train the run's steps and save as it goes; returns the records."""
+    run = build.run
+    ckpt = RunCheckpoints(run, build.params_module, build.optimizer, build.strategy)
+    first = ckpt.resume()
+    probe, tracer = build.probes()
+    if watch is not None:
+        build.attach(watch)
+    losses, times, norms = _loop(build, StepHooks(run.steps - first, probe, tracer), ckpt, watch)
+    out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),
+           **build.records(run.return_params)}
+    if probe is not None:  # the measured record beside the layout it measured
+        out["measure"] = build.measure_record(out["layout"], probe, losses[-1])
+    if tracer is not None:
+        out["trace"] = build.trace_record(tracer)
+    return out
+
+
+def _loop(build: RankBuild, hooks: StepHooks, ckpt: RunCheckpoints, watch: RankWatch | None = None):
+    run = build.run
+    batches = build.batches(ckpt.first_step, run.steps - ckpt.first_step)
+    if ckpt.first_step:
+        settle_ddp_buckets(build.step_fn, batches, build.optimizer)
+    watched = watch.batches(batches) if watch is not None else batches
+    progress = reporter_for(run.steps - ckpt.first_step, run.global_batch * model_config(run).seq_len, build.device,
+                            build.step_fn, run.world_size, watch.log.step_wait_so_far if watch is not None else None) \
+        if run.progress else None
+    with progress or contextlib.nullcontext():
+        out = train_loop(build.step_fn, build.optimizer, watched, dp=build.dims.dp, dp_group=dp_group(build.mesh),
+                         hooks=hooks, record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step,
+                         progress=progress)
+    ckpt.close()  # an asynchronous save still in flight is named before the run returns
+    return out
+
+
+def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train under the layout ``cfg`` (``RunConfig.to_dict()``) names; returns plain records (module docstring).
+
+    Runs on every rank of the default process group; creates and destroys its own
+    mesh sub-groups and frees the run's objects before it returns, so runs on a warm
+    pool leave only the default group behind and memory does not creep.
+    """
+    run = RunConfig.from_dict(cfg)
+    build = RankBuild(run)  # group creation is collective over every rank of the process group, in the mesh or not
+    try:
+        if build.idle:  # beyond world_size: no part in this run
+            return {"losses": [], "grad_norms": [], "step_times": [], "params": {},
+                    "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
+        if not (run.watch_collectives or run.faults):
+            return _train(build)
+        synthetic = run.synthetic_forward_s if build.dims.pp == 1 else None  # with pp the tracer pads actions
+        watch = RankWatch([build.mesh, build.dp_mesh], run.faults, synthetic)
+        with watch.patched():
+            out = _train(build, watch)
+            out["waits"] = [w.to_dict() for w in watch.finish()]
+        return out
+    finally:
+        build.close()
+        del build
+        # The run's model, optimizer and DTensors sit in reference cycles (module hooks,
+        # autograd graphs) that only Python's rare full collection frees: on a warm pool
+        # each run's memory would pile up for dozens of runs first.
+        gc.collect()
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """The torchrun CLI's RunConfig."""
+    p = argparse.ArgumentParser(description="Train the tiny GPT under one layout (run under torchrun).")
+    for name, default in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0), ("microbatches", 1), ("steps", 3),
+                          ("global-batch", 8), ("layers", 2), ("d-model", 32), ("heads", 4), ("d-ff", 64),
+                          ("vocab", 64), ("seq-len", 16), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--schedule", default="1f1b", help=f"pipeline schedule (pp > 1): {', '.join(layout_rules.SCHEDULES)}")
+    p.add_argument("--stages-per-rank", type=int, help="pipeline stages per rank (default: the schedule's)")
+    p.add_argument("--dp-replicate", type=int, help="HSDP replica groups (default: kernels.contract.layout_rules.hsdp_split)")
+    p.add_argument("--fsdp-strategy", choices=tuple(layout_rules.FSDP_STRATEGY_ZERO))
+    p.add_argument("--mixed-precision", choices=("bf16",))
+    p.add_argument("--synthetic-forward-s", type=float, help="with --trace: pad every action to this cost")
+    for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload", "compile", "trace"):
+        p.add_argument(f"--{flag}", action="store_true")
+    a = vars(p.parse_args(argv))
+    model = {k: a.pop(k) for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len")}
+    return RunConfig(model=model, return_params=False, **a)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run = parse_args(argv)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    try:
+        if dist.get_rank() == 0:  # what the options resolved to (zero 0 with dp x tp is FSDP2, for one)
+            strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())[1]
+            print(strategy.describe(), flush=True)
+        out = train_rank(run.to_dict())
+        if dist.get_rank() == 0:
+            ref = train_reference(run)["losses"]
+            for step, (mine, theirs) in enumerate(zip(out["losses"], ref)):
+                print(f"step {step}: loss {mine:.6f}  reference {theirs:.6f}  ({out['step_times'][step]*1e3:.1f} ms)")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

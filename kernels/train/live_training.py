@@ -1,0 +1,267 @@
+"""A training held on the ranks between calls: the model, its optimizer and the data position stay alive.
+
+``kernels.train.entry.train_rank`` builds a layout, trains and frees everything in one call.
+Here the same build (``kernels.train.run_build.RankBuild``: the mesh, the parallelized model or
+pipeline stages, the optimizer, the step function) is kept in a per-rank registry under
+a key the driver chose, so a later call continues where the last one stopped:
+
+- ``open_training(key, cfg)`` builds the layout ``cfg`` (a ``RunConfig`` dict) names;
+- ``advance(key, steps)`` runs ``kernels.train.train_loop.train_loop`` over the next ``steps``
+  global batches (batch ``s`` of the data stream is step ``s`` of the run, whoever trains
+  it), so two calls of 3 steps are the same computation as one run of 6; with the run's
+  ``checkpoint_dir`` it saves as ``train_rank`` does (``kernels.checkpoint.save_load``);
+- ``close_training(key)`` destroys the mesh's groups and frees the objects.
+
+A held training lives inside one world: every mesh sub-group it holds belongs to the
+process group of the world it was built in. So ``kernels.engine.runtime.leave_world`` (a
+failure, a world rebuild, a pool stop) closes every held training first; a later
+``advance`` on its key then says the training is gone instead of using dead groups.
+
+Run alone (4 ranks: 2 + 2 steps equal 4 steps of ``train_rank``)::
+
+    torchrun --nproc-per-node 4 -m kernels.train.live_training
+"""
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any
+
+import torch.distributed as dist
+
+from kernels.engine import runtime
+from kernels.checkpoint.save_load import AsyncSaver, load_checkpoint, save_checkpoint
+from kernels.checkpoint.files import read_meta, step_dir
+from kernels.parallel.mesh import dp_group
+from kernels.train.run_build import RankBuild
+from kernels.train.run_checkpoints import settle_ddp_buckets
+from kernels.contract.run_config import RunConfig
+from kernels.train.step_hooks import StepHooks
+from kernels.train.train_loop import train_loop
+
+
+class TrainingGoneError(RuntimeError):
+    """The key names no training on this rank (never opened, closed, or closed with the world it lived in)."""
+
+
+class LiveTraining:
+    """One rank's part of a held training: its ``RankBuild`` (model, optimizer, step), the next step and the losses."""
+
+    def __init__(self, run: RunConfig) -> None:
+        self.run = run
+        self.build = RankBuild(run)  # collective over every rank of the world
+        self.next_step, self.losses = 0, []
+        self.idle = self.build.idle  # beyond the layout's world size: holds nothing
+        # The ranks of the layout, for checkpoints (None: the whole world). Collective: every rank creates it.
+        size = self.build.dims.world_size
+        self.group = dist.new_group(list(range(size))) if size < dist.get_world_size() else None
+        # checkpoint_async: the saves advance() makes are written in the background (its own group, also collective).
+        self.saver = AsyncSaver(list(range(size))) if run.checkpoint_dir and run.checkpoint_async else None
+
+    def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
+        """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.
+
+        With the run's ``checkpoint_dir``, a checkpoint is saved after every global step that is
+        a multiple of ``checkpoint_every`` and after the last step (``step_NNNNNN`` under it).
+        Measuring acts on the last step, as in an Experiment's run.
+        """
+        first, build = self.next_step, self.build
+        if self.idle:  # keeps count, so that it stands at the right step if a later layout gives it a part
+            self.next_step += steps
+            return {"losses": [], "grad_norms": [], "step_times": [], "params": {}, "first_step": first,
+                    "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
+        probe, tracer = build.probes()
+        losses, times, norms = [], [], []
+        checkpoint_dir = self.run.checkpoint_dir
+        for chunk in save_points(first, steps, self.run.checkpoint_every if checkpoint_dir else None):
+            hooks = StepHooks(chunk, probe, tracer) if len(losses) + chunk == steps else StepHooks(chunk)
+            part = train_loop(build.step_fn, build.optimizer, build.batches(self.next_step, chunk), dp=build.dims.dp,
+                              dp_group=dp_group(build.mesh), hooks=hooks, record_grad_norm=self.run.record_grad_norm)
+            losses, times, norms = losses + part[0], times + part[1], norms + part[2]
+            self.next_step += chunk
+            self.losses += part[0]
+            if checkpoint_dir is not None:
+                self._save_due(str(step_dir(checkpoint_dir, self.next_step)))
+        if self.saver is not None:  # the call returns once its checkpoints are complete, as an Experiment's run
+            self.saver.wait()
+        out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
+               **build.records(return_params)}
+        if probe is not None:
+            out["measure"] = build.measure_record(out["layout"], probe, losses[-1])
+        if tracer is not None:
+            out["trace"] = build.trace_record(tracer)
+        return out
+
+    def _meta(self) -> dict[str, Any]:
+        """The meta of ``kernels.train.run_checkpoints``, where the run stands, and every loss so far."""
+        strategy = self.build.strategy
+        layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
+                  "schedule": strategy.schedule, "describe": strategy.describe()}
+        return {"step": self.next_step, "data_step": self.next_step, "losses": list(self.losses),
+                "loss": self.losses[-1] if self.losses else None, "config": self.run.to_dict(),
+                "world_size": self.build.dims.world_size, "layout": layout}
+
+    def _save_due(self, path: str) -> None:
+        """A save ``advance`` makes: in the background with ``checkpoint_async``, else now."""
+        if self.saver is None:
+            self.save(path, {})
+        else:
+            self.saver.save(path, self.build.params_module, self.build.optimizer, self._meta())
+
+    def save(self, path: str, meta: dict[str, Any], *, optimizer_settings: bool = True) -> None:
+        """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``), where the run stands."""
+        if not self.idle:
+            save_checkpoint(path, self.build.params_module, self.build.optimizer, {**meta, **self._meta()},
+                            process_group=self.group, optimizer_settings=optimizer_settings)
+
+    def load(self, path: str, *, optimizer_settings: bool = True) -> dict[str, Any]:
+        """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
+        if self.idle:
+            meta = read_meta(path)
+            self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
+            return meta
+        build = self.build
+        meta = load_checkpoint(path, build.params_module, build.optimizer, process_group=self.group,
+                               optimizer_settings=optimizer_settings)
+        self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
+        settle_ddp_buckets(build.step_fn, build.batches(self.next_step, 1), build.optimizer)  # DDP's rebuilt buckets, as if never stopped
+        return meta
+
+    def close(self) -> None:
+        """Destroy this training's groups and drop its objects (their reference cycles collected)."""
+        if self.saver is not None:  # its last save finished (and named) while the groups still exist
+            self.saver.close()
+        self.build.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+        del self.build, self.group, self.saver
+        gc.collect()
+
+
+_held: dict[str, LiveTraining] = {}
+
+
+def open_training(key: str, cfg: dict[str, Any], *, next_step: int = 0, losses: list[float] | None = None) -> int:
+    """Build the layout ``cfg`` names and hold it under ``key`` (closing any training held there); returns the rank.
+
+    ``next_step`` and ``losses`` say where the run stands (a training rebuilt under a new layout goes on from there).
+    """
+    close_training(key)
+    _freeze_long_lived()
+    live = LiveTraining(RunConfig.from_dict(cfg))
+    live.next_step, live.losses = next_step, list(losses or [])
+    _held[key] = live
+    return dist.get_rank()
+
+
+@functools.cache
+def _freeze_long_lived() -> None:
+    """Once per process: move what lives as long as the engine (torch's modules and all) out of the collector's view.
+
+    ``close`` runs a full collection to free the closed layout's reference cycles; over the
+    engine's hundreds of thousands of long-lived objects that took ~0.25 s of every relayout
+    here. ``gc.freeze`` puts them in the permanent generation (Python's own means for
+    long-running servers), so a collection scans only what was made after.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def held(key: str) -> LiveTraining:
+    """The training held under ``key``; ``TrainingGoneError`` when there is none."""
+    live = _held.get(key)
+    if live is None:
+        raise TrainingGoneError(f"no training is held under {key!r} on this rank: it was closed, or the world "
+                                "it lived in was rebuilt (after a failure or a restart)")
+    return live
+
+
+def save_points(first: int, steps: int, every: int | None) -> list[int]:
+    """The steps from ``first`` on, in runs that end at each multiple of ``every`` and at the last one."""
+    if every is None:
+        return [steps]
+    out, at, end = [], first, first + steps
+    while at < end:
+        stop = min(end, (at // every + 1) * every)
+        out.append(stop - at)
+        at = stop
+    return out
+
+
+def advance(key: str, steps: int, *, return_params: bool = False) -> dict[str, Any]:
+    """Train the held training ``steps`` more steps; returns their records (``LiveTraining.advance``)."""
+    return held(key).advance(steps, return_params=return_params)
+
+
+def save_training(key: str, path: str, meta: dict[str, Any] | None = None) -> int:
+    """Save the training held under ``key`` to the step directory ``path``; returns the step saved."""
+    live = held(key)
+    live.save(path, meta or {})
+    return live.next_step
+
+
+def load_training(key: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Build the layout ``cfg`` names under ``key`` and load the checkpoint ``path`` into it; returns its meta."""
+    open_training(key, cfg)
+    return held(key).load(path)
+
+
+def relayout_training(key: str, cfg: dict[str, Any], through: str) -> int:
+    """Move the training held under ``key`` to the layout ``cfg`` names, weights and optimizer state included.
+
+    The old layout writes its state to the step directory ``through`` with DCP, the new
+    one is built and reads it back, each rank its own pieces (DCP plans the reads from the
+    saved shards' offsets, so any layout or world size of the same model can load them).
+    The old layout's groups are destroyed before the new mesh is made. Returns the step.
+    """
+    live = held(key)
+    live.save(through, {}, optimizer_settings=False)  # the same run config makes the new optimizer's
+    step, losses = live.next_step, live.losses
+    open_training(key, cfg, next_step=step, losses=losses)
+    held(key).load(through, optimizer_settings=False)  # the same run config made both optimizers
+    return step
+
+
+def close_training(key: str) -> bool:
+    """Close the training held under ``key``; True if there was one."""
+    live = _held.pop(key, None)
+    if live is None:
+        return False
+    live.close()
+    return True
+
+
+def close_all() -> int:
+    """Close every held training (the world they live in is about to go); returns how many."""
+    keys = list(_held)
+    for key in keys:
+        close_training(key)
+    return len(keys)
+
+
+def held_keys() -> list[str]:
+    """The keys of the trainings this rank holds."""
+    return sorted(_held)
+
+
+runtime.on_leave_world(close_all)
+
+
+def _main() -> None:
+    from kernels.train.entry import train_rank
+    dist.init_process_group("gloo")
+    try:
+        cfg = RunConfig(model={"layers": 2}, dp=2, tp=2, steps=4, return_params=False).to_dict()
+        open_training("demo", cfg)
+        held_losses = advance("demo", 2)["losses"] + advance("demo", 2)["losses"]
+        close_training("demo")
+        whole = train_rank(cfg)["losses"]
+        if dist.get_rank() == 0:
+            print("2 + 2 held steps:", held_losses)
+            print("4 steps at once: ", whole, "(equal)" if held_losses == whole else "(DIFFERENT)")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,200 @@
+"""Measure memory and communication of a layout: ``measure_rank(cfg) -> record``.
+
+Algorithm: the layout is built and trained exactly as ``kernels.train.entry.train_rank``
+builds and trains it (TP -> activation checkpointing -> FSDP2/DDP/ZeRO-1,
+Rajbhandari et al., 2020; Zhao et al., 2023); the probes of ``kernels.measure.memory`` and
+``kernels.watch.comm`` watch its last step (the steady state: optimizer state exists and
+DDP has rebuilt its buckets). ``measure_rank`` is ``train_rank`` with
+``cfg["measure"]`` on; the probes are the ``StepProbe``/``PipelineProbe`` below,
+which the training loop calls at fixed points of the step (``kernels.train.step_hooks``):
+
+- memory at ``peak_fwd_bwd`` (the last micro-batch's forward done, loss in hand,
+  backward not started) and ``at_rest`` (after ``optimizer.step()``, before
+  ``zero_grad``); while probing, gradients are zeroed with ``set_to_none=False`` so
+  their buffers live across steps, as in the ZeRO formulas;
+- communication over the whole step (forward, backward, optimizer step), per
+  collective type; the loss report and the gradient norm come after, unmetered. DDP
+  is switched to torch's Python ``allreduce_hook`` so its bucket all-reduces are
+  seen (same maths as its C++ default).
+
+With pp > 1 (``PipelineProbe``) a whole schedule step runs (m micro-batches) and
+only the ``at_rest`` moment is taken: forward and backward interleave inside the
+schedule, so there is no single moment between them. Stage-boundary p2p is metered at
+the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
+torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p
+alone here (``_CollectiveMeter``). Config keys are ``kernels.contract.run_config.RunConfig``'s;
+``steps`` defaults to 2 here.
+
+Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
+"params": describe_params, "optimizer_params": [names] (ZeRO-1 only), "memory":
+{"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
+"comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
+"step_seconds", "loss", "device", "microbatches", "optimizer"}``; with pp also ``"stage_ids",
+"num_stages", "micro_batch"`` (memory: ``at_rest`` only).
+
+Run alone (ZeRO-3 on 4 ranks, prints rank 0's record)::
+
+    torchrun --nproc-per-node 4 -m kernels.train.measured_run --dp 4 --zero 3
+    torchrun --nproc-per-node 4 -m kernels.train.measured_run --dp 2 --pp 2
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kernels.watch.comm import _DIST_OPS, _P2P, CommMeter, route_ddp_through_python, unmetered
+from kernels.measure.memory import SavedActivations, snapshot
+
+
+class StepProbe:
+    """The probes of one training step; the loop calls ``metered()``, ``forward()`` and ``at_rest()``.
+
+    ``model`` is what the loop runs (DDP wrapper included); ``optimizer`` its optimizer.
+    """
+
+    def __init__(self, model: nn.Module, optimizer, device: torch.device, meter: CommMeter | None = None) -> None:
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.meter = meter if meter is not None else CommMeter()
+        self.memory: dict[str, dict[str, Any]] = {}
+        self.seconds: float | None = None  # summed over the metered parts of the step
+        self.debug_counts: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def metered(self) -> Iterator[None]:
+        """Meter every collective of the body (a micro-batch's forward and backward, or the optimizer step).
+
+        One meter session per call, summed over the calls.
+        """
+        if self.seconds is None:
+            self.seconds = 0.0
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # the peak of this step only
+        start = time.perf_counter()
+        with self.meter.active():
+            yield
+        self.seconds += time.perf_counter() - start
+        for op, n in getattr(self.meter, "debug_counts", {}).items():
+            self.debug_counts[op] = self.debug_counts.get(op, 0) + n
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Count what autograd saves in the body; snapshot ``peak_fwd_bwd`` right after it."""
+        with SavedActivations(self.model) as acts:
+            yield
+        self.memory["peak_fwd_bwd"] = snapshot(self.model, self.optimizer, "peak_fwd_bwd", acts.bytes, self.device,
+                                               acts.parts)
+
+    def at_rest(self) -> None:
+        """Snapshot ``at_rest``: call after ``optimizer.step()``, before ``zero_grad``."""
+        self.memory["at_rest"] = snapshot(self.model, self.optimizer, "at_rest", None, self.device)
+
+    def rows(self) -> dict[str, Any]:
+        """The measured part of the record (memory, comm rows, the meter's checks, step seconds)."""
+        rows = self.meter.rows
+        return {"memory": dict(self.memory), "comm": rows, "comm_debug_counts": dict(self.debug_counts),
+                "comm_unmetered": unmetered(self.debug_counts, rows), "step_seconds": self.seconds}
+
+
+class _CollectiveMeter(CommMeter):
+    """A CommMeter for pipeline steps: ``torch.distributed`` collectives and TP's functional ones.
+
+    p2p is left unpatched: ``P2POp`` checks ``op`` by identity against the unwrapped
+    ``isend``/``irecv``, so a wrapped one breaks the pipeline's sends (they are counted
+    at the stage instead, ``meter_stage_sends``).
+    """
+
+    def _dist_names(self) -> list[str]:
+        return [n for n in _DIST_OPS if n not in _P2P and hasattr(dist, n)]
+
+
+@contextlib.contextmanager
+def meter_stage_sends(stages: list, meter: CommMeter) -> Iterator[None]:
+    """Count every stage-boundary send of ``stages`` into ``meter`` (op "send", group size 2) in the body.
+
+    Wraps each instance's ``get_fwd_send_ops`` (activations to the next stage) and
+    ``get_bwd_send_ops`` (input gradients to the previous one): the payload is each
+    op's tensor, (b, T, C) here. Time is not known at that point and is left 0. The
+    wrappers are instance attributes, dropped again on exit.
+    """
+    def counting(original: Any) -> Any:
+        def wrapped(chunk_id: int, *args: Any, **kwargs: Any) -> list:
+            ops = original(chunk_id, *args, **kwargs)
+            for op in ops:
+                meter.record("send", 2, op.tensor.numel() * op.tensor.element_size(), 0.0, "pipeline", op.peer)
+            return ops
+        return wrapped
+
+    names = ("get_fwd_send_ops", "get_bwd_send_ops")
+    for stage in stages:
+        for name in names:
+            setattr(stage, name, counting(getattr(stage, name)))
+    try:
+        yield
+    finally:
+        for stage in stages:
+            for name in names:
+                stage.__dict__.pop(name, None)
+
+
+class PipelineProbe(StepProbe):
+    """pp > 1: this rank's stages (``model`` = their ModuleList); at rest only, p2p counted at the stages."""
+
+    def __init__(self, model: nn.Module, optimizer, device: torch.device, stages: list) -> None:
+        super().__init__(model, optimizer, device, _CollectiveMeter())
+        self.stages = stages
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Meter the whole schedule step, dp gradient reduction and optimizer step (one session)."""
+        with meter_stage_sends(self.stages, self.meter), self.metered():
+            yield
+
+
+def step_probe(model: nn.Module, optimizer, device: torch.device) -> StepProbe:
+    """A StepProbe of ``model`` (a DDP model is rerouted first, so its buckets are seen)."""
+    if isinstance(model, DDP):
+        route_ddp_through_python(model)  # before the first backward
+    return StepProbe(model, optimizer, device)
+
+
+def measure_record(layout: dict[str, Any], dims: Any, device: torch.device, probe: StepProbe,
+                   **extra: Any) -> dict[str, Any]:
+    """The record (module docstring): this rank's layout record, the mesh sizes and what ``probe`` measured."""
+    return {**layout, "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate}, "device": str(device),
+            **extra, **probe.rows()}
+
+
+def measure_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train the layout ``cfg`` names for ``cfg["steps"]`` (default 2) steps, probe the last; returns the record."""
+    from kernels.train.entry import train_rank  # kernels.train.entry imports this module lazily too
+    run = {**cfg, "measure": True, "trace": False, "return_params": False, "record_grad_norm": False,
+           "steps": max(1, int(cfg.get("steps", 2)))}
+    return train_rank(run)["measure"]
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description="Measure memory and communication of one layout (torchrun).")
+    for name, default in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0), ("steps", 2), ("microbatches", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    a = vars(p.parse_args())
+    cfg = {"model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64},
+           "global_batch": 8, **a}
+    dist.init_process_group("gloo")
+    try:
+        out = measure_rank(cfg)
+        if dist.get_rank() == 0:
+            print(json.dumps({k: out[k] for k in ("strategy", "memory", "comm", "comm_debug_counts")}, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,174 @@
+"""One rank's part of a layout, built once: mesh, parallelized model or pipeline stages, optimizer, step function.
+
+The run config (a ``kernels.contract.run_config.RunConfig``) resolves to one frozen ``Strategy``
+(``kernels.parallel.strategy``); ``kernels.parallel.parallelize.parallelize`` applies it
+(TP -> AC -> FSDP or DDP) to the whole model, or with pp > 1 to each pipeline stage
+(``kernels.parallel.pipeline``). ``RankBuild`` holds what that yields, and the records
+that describe it, for the two callers that train it: ``kernels.train.entry.train_rank`` (one
+run, freed on return) and ``kernels.train.live_training`` (held between calls).
+
+A rank beyond the layout's world size joins the mesh's group creation (collective over
+the whole process group) and holds nothing: ``idle`` is true.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kernels.contract import layout_rules
+from kernels.engine import runtime
+from kernels.train.batches import BatchStream
+from kernels.train.data import dataset
+from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record, step_probe
+from kernels.model.gpt import build_gpt, loss_fn, model_config
+from kernels.train.optimizer import build_optimizer, optimizer_class
+from kernels.parallel import pipeline
+from kernels.parallel.ddp import unwrap
+from kernels.parallel.fsdp import describe_params, full_parameters
+from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, destroy_mesh_groups, dp_group, dp_rank,
+                                   pp_group, pp_rank)
+from kernels.parallel.parallelize import parallelize
+from kernels.parallel.strategy import GradSync, Strategy, run_strategy
+from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
+from kernels.contract.run_config import RunConfig
+from kernels.train.step_hooks import PipelineTracer
+from kernels.train.train_loop import FlatStep, PipelineStep
+
+
+def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
+    """The mesh sizes and the Strategy ``run`` means on ``world_size`` ranks of the process group."""
+    if dist.is_initialized() and world_size > dist.get_world_size():
+        raise ValueError(f"world_size={world_size} is more than the {dist.get_world_size()} ranks of the process group")
+    return run_strategy(run, world_size)
+
+
+def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
+    """The run's optimizer over ``model``: ZeRO-1's partitioned one, or plain.
+
+    A CPU-offloaded FSDP2 model steps on CPU.
+    """
+    device_type = "cpu" if strategy.cpu_offload else device.type
+    if strategy.grad_sync is GradSync.ZERO1:
+        return build_zero1_optimizer(model, mesh["dp"], optimizer_class(run), **run.optimizer_kwargs(device_type))
+    return build_optimizer(model.parameters(), run, device_type)
+
+
+class RankBuild:
+    """This rank's part of the layout ``run`` names (module docstring); ``close()`` destroys its mesh groups.
+
+    ``model`` is what the flat step runs (DDP wrapper included; None with pp),
+    ``params_module`` the module whose parameters the optimizer steps (the unwrapped
+    model, or the ``nn.ModuleList`` of this rank's stages), ``pipe`` the pipeline runtime.
+    """
+
+    def __init__(self, run: RunConfig) -> None:
+        self.run = run
+        self.dims, self.strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())
+        self.device = runtime.rank_device()
+        if self.device.type == "cuda":  # TF32 matmuls for what runs in fp32, as torch users set it on Ampere and later
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        self.mesh = build_mesh(self.dims, self.device.type)  # collective over every rank of the process group
+        self.dp_mesh = build_hsdp_mesh(self.dims, self.device.type) if self.strategy.hybrid else None
+        self.idle = self.mesh.get_coordinate() is None
+        self.model = self.pipe = None
+        if not self.idle:
+            self._build_pipeline() if self.dims.pp > 1 else self._build_flat()
+
+    def _build_flat(self) -> None:
+        self.model = parallelize(build_gpt(model_config(self.run), device=self.device), self.strategy, self.mesh,
+                                 self.dp_mesh)
+        self.params_module = unwrap(self.model)
+        self.optimizer = rank_optimizer(self.params_module, self.strategy, self.mesh, self.run, self.device)
+        if self.run.measure:  # reroutes DDP's buckets through Python, before the first backward
+            step_probe(self.model, self.optimizer, self.device)
+        self.step_fn = FlatStep(self.model, self.strategy.microbatches, self.strategy.loss_parallel, self.device)
+
+    def _build_pipeline(self) -> None:
+        run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
+        transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=self.dp_mesh)
+        self.pipe = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
+                                            strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
+                                            self.device, loss_fn, model_transform=transform)
+        self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
+        self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
+        by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
+        self.step_fn = PipelineStep(self.pipe, self.params_module, dp_group(mesh) if by_hand else None,
+                                    pp_group(mesh), self.device)
+
+    def batches(self, first: int, steps: int) -> BatchStream:
+        """This rank's share of the global batches ``first`` .. ``first + steps - 1``."""
+        return BatchStream(dataset(self.run), steps=first + steps, first_step=first,
+                           global_batch=self.run.global_batch, dp_rank=dp_rank(self.mesh), dp=self.dims.dp,
+                           device=self.device)
+
+    def attach(self, watch) -> None:
+        """Let a ``kernels.watch.rank_watch.RankWatch`` see this build's modules and optimizer."""
+        if self.pipe:
+            watch.attach(list(self.pipe.modules), self.optimizer, list(self.pipe.stage_ids))
+        else:
+            watch.attach([self.model], self.optimizer)
+
+    def probes(self) -> tuple[StepProbe | None, PipelineTracer | None]:
+        """The run's step probe (with ``measure``) and pipeline tracer (with ``trace`` and pp), or None."""
+        probe = tracer = None
+        if self.run.measure:
+            probe = PipelineProbe(self.params_module, self.optimizer, self.device, self.pipe.stages) if self.pipe \
+                else StepProbe(self.model, self.optimizer, self.device)
+        if self.run.trace and self.pipe:
+            tracer = PipelineTracer(self.run, self.pipe, self.device, self.params_module, self.optimizer)
+        return probe, tracer
+
+    def records(self, return_params: bool) -> dict[str, Any]:
+        """The layout record and, when asked, the whole parameters (a collective for DTensors: all ranks or none)."""
+        rank, strategy, dims = dist.get_rank(), self.strategy, self.dims
+        if self.pipe:
+            pipe, layers = self.pipe, model_config(self.run).layers
+            layout = {"rank": rank, "coords": dims.coords(rank), "strategy": f"pp-{pipe.schedule_name}",
+                      "dp_strategy": strategy.kind, "zero": strategy.zero, "hybrid": strategy.hybrid,
+                      "schedule": pipe.schedule_name, "stage_ids": list(pipe.stage_ids),
+                      "stage_layers": {str(s): list(layout_rules.layer_split(layers, pipe.num_stages, s))
+                                       for s in pipe.stage_ids},
+                      "params": {k: v for module in pipe.modules for k, v in describe_params(module).items()}}
+        else:
+            layout = {"rank": rank, "coords": dims.coords(rank), "strategy": strategy.kind, "zero": strategy.zero,
+                      "hybrid": strategy.hybrid, "params": describe_params(self.params_module)}
+        if strategy.grad_sync is GradSync.ZERO1:  # a stage list's names are "<index>.<parameter name>"
+            owned = owned_parameters(self.optimizer, self.params_module)
+            layout["optimizer_params"] = [n.split(".", 1)[1] for n in owned] if self.pipe else owned
+        params = {}
+        if return_params:
+            for module in self.pipe.modules if self.pipe else [self.params_module]:
+                params.update({k: v.tolist() for k, v in full_parameters(module).items()})
+        return {"layout": layout, "params": params}
+
+    def measure_record(self, layout: dict[str, Any], probe: StepProbe, loss: float) -> dict[str, Any]:
+        """``kernels.train.measured_run``'s record of the probed step beside the layout it measured."""
+        if not self.pipe:
+            return measure_record(layout, self.dims, self.device, probe, loss=loss, optimizer=self.run.optimizer,
+                                  microbatches=self.strategy.microbatches, **self._activation_sizes())
+        return measure_record(layout, self.dims, self.device, probe, strategy=self.strategy.kind, loss=loss,
+                              optimizer=self.run.optimizer,
+                              num_stages=self.pipe.num_stages, microbatches=self.pipe.num_microbatches,
+                              micro_batch=self.run.global_batch // (self.dims.dp * self.pipe.num_microbatches))
+
+    def _activation_sizes(self) -> dict[str, Any]:
+        """What ``kernels.contract.activation_rules`` needs to predict the measured activations by part: the model's sizes,
+        the micro-batch and the flags that change what is saved."""
+        run = self.run
+        return {"model": dataclasses.asdict(model_config(run)),
+                "micro_batch": run.global_batch // (self.dims.dp * self.strategy.microbatches),
+                "activation_checkpointing": run.activation_checkpointing, "mixed_precision": run.mixed_precision,
+                "sequence_parallel": run.sequence_parallel}
+
+    def trace_record(self, tracer: PipelineTracer) -> dict[str, Any]:
+        """The pipeline tracer's record of this rank's place in the mesh."""
+        return tracer.record(pp_rank(self.mesh), dp_rank(self.mesh), self.dims.dp, self.dims.pp)
+
+    def close(self) -> None:
+        """Destroy the mesh's sub-groups."""
+        destroy_mesh_groups(self.mesh, self.dp_mesh)

@@ -1,0 +1,124 @@
+"""A run's checkpoints on the ranks: resume before the first step, save every K steps and after the last.
+
+Built by ``kernels.train.entry`` from the run config's ``checkpoint_dir``, ``checkpoint_every``,
+``resume_from`` and ``checkpoint_async`` (all off by default: then it does nothing).
+Batches are a pure function of (seed, step) (``kernels.train.data``), so the data position is
+the step count: a run resumed at step k feeds batch k next, as the uninterrupted run
+did. With the model, the AdamW state (step counts included) and each rank's RNG state
+restored (``kernels.checkpoint.save_load``), the run goes on bit for bit under the same layout.
+
+Run alone (trains 2 steps with a save, resumes for 2 more, compares with 4 in one go)::
+
+    torchrun --nproc-per-node 2 -m kernels.train.run_checkpoints
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kernels.train.batches import BatchStream
+
+from kernels.checkpoint.save_load import AsyncSaver, load_checkpoint, load_weights, save_checkpoint
+from kernels.checkpoint.files import WEIGHTS_SUFFIX, resolve, step_dir
+from kernels.parallel.strategy import Strategy
+from kernels.contract.run_config import RunConfig
+from kernels.train.step_hooks import StepHooks
+
+
+class RunCheckpoints:
+    """The run's saves and its resume point; ``model`` is the GPT or the list of this rank's pipeline stages."""
+
+    def __init__(self, run: RunConfig, model: nn.Module, optimizer, strategy: Strategy) -> None:
+        self.run, self.model, self.optimizer = run, model, optimizer
+        everyone = dist.get_world_size()
+        if (run.checkpoint_dir or run.resume_from) and (run.world_size or everyone) != everyone:
+            raise ValueError("checkpoints are saved and loaded by every rank of the process group: run on all of them "
+                             f"(world_size={run.world_size} of {everyone})")
+        self.layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
+                       "schedule": strategy.schedule, "describe": strategy.describe()}
+        self.first_step, self.load_seconds = 0, 0.0
+        self.saver = AsyncSaver() if run.checkpoint_dir and run.checkpoint_async else None
+
+    def resume(self) -> int:
+        """Load ``resume_from`` (a step directory, a checkpoint directory's latest, or a safetensors file).
+
+        Returns the step to start at (0 after weights alone).
+        """
+        source, began = self.run.resume_from, time.perf_counter()
+        if not source:
+            return 0
+        if str(source).endswith(WEIGHTS_SUFFIX):  # weights only: the optimizer starts fresh, from step 0
+            load_weights(source, self.model)
+        else:
+            self.first_step = int(load_checkpoint(str(resolve(source)), self.model, self.optimizer)["step"])
+        self.load_seconds = time.perf_counter() - began
+        return self.first_step
+
+    def record(self) -> dict[str, Any]:
+        """The rank record's part: the step this run started at and how long its load took."""
+        return {"first_step": self.first_step, "load_seconds": self.load_seconds}
+
+    def after_step(self, step: int, loss: torch.Tensor) -> None:
+        """After local step ``step`` (0-based, counted from the resume point): save when one is due."""
+        done = self.first_step + step + 1  # steps completed, counted from the start of training
+        every, root = self.run.checkpoint_every, self.run.checkpoint_dir
+        if not root or not (done == self.run.steps or (every and done % every == 0)):
+            return
+        meta = {"step": done, "data_step": done, "loss": float(loss), "config": self.run.to_dict(),
+                "world_size": dist.get_world_size(), "layout": self.layout}
+        path = str(step_dir(root, done))
+        if self.saver is not None:
+            self.saver.save(path, self.model, self.optimizer, meta)
+        else:
+            save_checkpoint(path, self.model, self.optimizer, meta)
+
+    def close(self) -> None:
+        """Finish an asynchronous save still in flight, so the run returns only once its checkpoints are named."""
+        if self.saver is not None:
+            self.saver.close()
+            self.saver = None
+
+
+def settle_ddp_buckets(step_fn, batches: BatchStream, optimizer) -> None:
+    """A resumed DDP model runs one forward and backward on its next batch, then drops the gradients.
+
+    DDP rebuilds its gradient buckets after its first backward, in the order the gradients
+    became ready; the all-reduce's float sums depend on where each gradient sits in a
+    bucket (gloo cuts a buffer into chunks by size). The uninterrupted run reduced its later
+    steps in rebuilt buckets, so without this the resumed first step would not be bit for
+    bit the same. The step changes nothing else: no optimizer step, gradients set to None
+    as after every step.
+    """
+    if not isinstance(getattr(step_fn, "model", None), DistributedDataParallel):
+        return
+    stream = iter(batches)
+    inputs, targets = next(stream)
+    stream.close()
+    step_fn(inputs, targets, StepHooks(1))
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _demo() -> None:
+    from kernels.train.entry import train_rank
+
+    dist.init_process_group("gloo")
+    root = os.environ.get("CKPT_DIR") or tempfile.mkdtemp(prefix="run-checkpoints-")
+    model = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16}
+    whole = train_rank(RunConfig(model=model, dp=dist.get_world_size(), steps=4).to_dict())
+    train_rank(RunConfig(model=model, dp=dist.get_world_size(), steps=2, checkpoint_dir=root).to_dict())
+    rest = train_rank(RunConfig(model=model, tp=dist.get_world_size(), steps=4,
+                                resume_from=root).to_dict())
+    if dist.get_rank() == 0:
+        print("uninterrupted:", whole["losses"][2:], "\nresumed (DP -> TP):", rest["losses"])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _demo()

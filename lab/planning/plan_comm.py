@@ -1,0 +1,197 @@
+"""Per-iteration communication of one rank, by collective, phase, axis and link.
+
+Every entry is counted as nccl-tests counts it: ``payload_bytes`` is the tensor a call
+works on (the whole gathered tensor for all_gather, the whole input for
+reduce_scatter), and the bytes one rank puts on the wire are payload × the busbw
+factor (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1; docs/design.md#bus-bandwidth).
+
+What is counted, per iteration with M micro-batches per dp rank:
+
+- dp axis, ZeRO-0 (DDP): one gradient all-reduce after accumulation.
+- ZeRO-1: one gradient reduce-scatter, one all-gather of the updated parameters
+  (the ZeRO paper's 2Ψ; torch's ZeroRedundancyOptimizer all-reduces instead, 3Ψ).
+- ZeRO-2 / FSDP grad_op: a parameter all-gather per micro-batch forward, and a
+  gradient reduce-scatter per micro-batch, which keeps gradients sharded (the extra
+  reduce-scatters are why ZeRO-2 and PP mix badly, Hugging Face's multi-GPU guide, "ZeRO DP+PP+TP").
+- ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward
+  (docs/design.md#communication-volume: all-gather twice plus reduce-scatter once).
+- FSDP hybrid: ZeRO-2/3 inside each of the dp_replicate shard groups of dp_shard ranks,
+  plus an all-reduce of the gradient shard across the groups after each reduce-scatter.
+- tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP
+  out) and two backward (their conjugates), two more forward under recomputation;
+  with sequence parallelism each all-reduce becomes an all-gather plus a
+  reduce-scatter of the same total.
+  A model whose q/k/v are separate column-parallel Linears (the lab's GPT,
+  ``ModelSpec.fused_qkv=False``) all-reduces the attention input's gradient once per
+  projection: 4 backward all-reduces per block instead of 2 (not under SP, where one
+  all-gather feeds all three and its reduce-scatter comes once).
+- tp axis outside the blocks, for a per-tensor model (``Work.embed``/``Work.head``, the
+  lab's TP plan): the row-parallel token and position embeddings all-reduce their
+  outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input
+  gradient b·s·h backward and all-gathers the logits b·s·V forward. Under
+  loss_parallel the logits stay sharded on the vocab: torch's sharded cross-entropy
+  all-reduces three b·s tensors forward instead (the row max, the sum of exponentials
+  and the target logit), and its backward is local.
+  Under SP the embedding all-reduces become reduce-scatters and the head's input is
+  all-gathered forward, reduce-scattered backward.
+- pp axis: per micro-batch and virtual stage, one activation send forward and one
+  gradient send backward. A middle stage does both; the first and last do one. With
+  ``Work.stage_ids`` (one pipeline rank's stages) the sends are that rank's own: a
+  forward send for each stage whose successor is on another rank, a backward send for
+  each stage whose predecessor is (the V schedules keep the turn on one rank).
+Pure Python; no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lab.planning.plan_math import busbw_factor, pp_p2p_bytes, tp_allreduce_bytes
+from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups
+
+
+@dataclass(frozen=True)
+class CommEntry:
+    """One kind of call one rank makes per iteration."""
+
+    axis: str  # "dp", "dp_shard", "dp_replicate", "tp" or "pp"
+    op: str  # "all_reduce", "all_gather", "reduce_scatter" or "p2p"
+    phase: str  # "fwd", "bwd", "recompute" or "step" (after backward, at the optimizer)
+    link: str  # "intra" (inside a node) or "inter" (between nodes)
+    group_size: int
+    count: int  # calls per iteration
+    payload_bytes: float  # per call
+    total_payload: float  # count × payload_bytes
+    wire_bytes: float  # bytes this rank sends: total_payload × busbw factor
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able fields."""
+        return dict(self.__dict__)
+
+
+def entry(axis: str, op: str, phase: str, link: str, n: int, count: int, payload: float) -> CommEntry:
+    """A CommEntry with totals filled in."""
+    total = count * payload
+    return CommEntry(axis, op, phase, link, n, count, payload, total, total * busbw_factor(op, n))
+
+
+@dataclass(frozen=True)
+class Work:
+    """The sizes a rank's traffic depends on."""
+
+    psi_local: float  # parameters on this rank after TP and PP (before dp sharding)
+    elem_bytes: int  # bytes per parameter, gradient and activation element
+    micro_batch: int
+    microbatches: int  # M, per iteration and dp rank
+    seq_len: int
+    hidden: int | None  # None for a count-only model: no TP/PP traffic can be sized
+    layers_on_rank: int | None
+    embed: bool = False  # holds TP-sharded embeddings (per-tensor models): their collectives count
+    head: bool = False  # holds the TP-sharded LM head (per-tensor models)
+    vocab: int | None = None
+    qkv_allreduces: int = 1  # backward all-reduces of the attention input: 1 fused, 3 separate q/k/v
+    stage_ids: tuple[int, ...] = ()  # this pipeline rank's stages; () = a middle stage
+    num_stages: int = 1
+
+
+def dp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Gradient/parameter traffic on the data-parallel axis."""
+    if lay.dp == 1:
+        return []
+    if lay.fsdp_strategy == "hybrid":
+        return _hybrid_entries(lay, w, gpus_per_node)
+    link = axis_link(lay, "dp", gpus_per_node)
+    return _sharded_entries("dp", lay.zero, lay.dp, link, w)
+
+
+def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work) -> list[CommEntry]:
+    full, m = w.psi_local * w.elem_bytes, w.microbatches
+    if n == 1:
+        return []
+    if zero == 0:
+        return [entry(axis, "all_reduce", "bwd", link, n, 1, full)]
+    if zero == 1:
+        return [entry(axis, "reduce_scatter", "bwd", link, n, 1, full),
+                entry(axis, "all_gather", "step", link, n, 1, full)]
+    out = [entry(axis, "all_gather", "fwd", link, n, m, full)]
+    if zero == 3:
+        out.append(entry(axis, "all_gather", "bwd", link, n, m, full))
+    out.append(entry(axis, "reduce_scatter", "bwd", link, n, m, full))
+    return out
+
+
+def _hybrid_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    shard, replicate = hybrid_groups(lay)
+    s, r = len(shard[0]), len(replicate[0])
+    out = _sharded_entries("dp_shard", lay.zero, s, groups_link(shard, gpus_per_node), w)
+    if r > 1:
+        grad_shard = w.psi_local * w.elem_bytes / s
+        out.append(entry("dp_replicate", "all_reduce", "bwd", groups_link(replicate, gpus_per_node),
+                         r, w.microbatches, grad_shard))
+    return out
+
+
+def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Megatron's block-output all-reduces (or SP's all-gather + reduce-scatter pairs),
+    then the embedding and head collectives of a per-tensor model."""
+    if lay.tp == 1 or w.hidden is None or w.layers_on_rank is None:
+        return []
+    link = axis_link(lay, "tp", gpus_per_node)
+    payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
+    per_block = {"fwd": 2, "bwd": 2 if lay.sequence_parallel else 1 + w.qkv_allreduces, "recompute": 2}
+    phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing else [])
+    out = []
+    for phase in phases:
+        count = per_block[phase] * w.layers_on_rank * w.microbatches
+        if count == 0:
+            continue
+        if lay.sequence_parallel:
+            out.append(entry("tp", "all_gather", phase, link, lay.tp, count, payload))
+            out.append(entry("tp", "reduce_scatter", phase, link, lay.tp, count, payload))
+        else:
+            out.append(entry("tp", "all_reduce", phase, link, lay.tp, count, payload))
+    return out + _tp_outer_entries(lay, w, link, payload)
+
+
+def _tp_outer_entries(lay: Layout, w: Work, link: str, payload: float) -> list[CommEntry]:
+    """The row-parallel embeddings' outputs and the column-parallel head's input and logits."""
+    m, n, out = w.microbatches, lay.tp, []
+    reduce = "reduce_scatter" if lay.sequence_parallel else "all_reduce"
+    if w.embed:
+        out.append(entry("tp", reduce, "fwd", link, n, m, payload))  # token embedding (b, s, h)
+        out.append(entry("tp", reduce, "fwd", link, n, m, payload / w.micro_batch))  # positions (s, h)
+    if w.head and w.vocab is not None:
+        if lay.sequence_parallel:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
+            out.append(entry("tp", "all_gather", "fwd", link, n, m, payload))
+        out.append(entry("tp", reduce, "bwd", link, n, m, payload))  # input gradient (b, s, h)
+        if lay.loss_parallel:  # max, sum of exp and target logit, each (b, s)
+            out.append(entry("tp", "all_reduce", "fwd", link, n, 3 * m, payload / w.hidden))
+        else:
+            logits = payload / w.hidden * w.vocab
+            out.append(entry("tp", "all_gather", "fwd", link, n, m, logits))  # (b, s, V/tp) -> (b, s, V)
+    return out
+
+
+def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Stage-boundary sends: a middle stage's (activations forward, gradients backward),
+    or with ``w.stage_ids`` exactly this pipeline rank's."""
+    if lay.pp == 1 or w.hidden is None:
+        return []
+    link = axis_link(lay, "pp", gpus_per_node)
+    payload = pp_p2p_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
+    fwd = bwd = w.microbatches * lay.stages_per_rank
+    if w.stage_ids:
+        mine, last = set(w.stage_ids), w.num_stages - 1
+        fwd = w.microbatches * sum(1 for s in mine if s < last and s + 1 not in mine)
+        bwd = w.microbatches * sum(1 for s in mine if s > 0 and s - 1 not in mine)
+    out = []
+    if fwd:
+        out.append(entry("pp", "p2p", "fwd", link, lay.pp, fwd, payload))
+    if bwd:
+        out.append(entry("pp", "p2p", "bwd", link, lay.pp, bwd, payload))
+    return out
+
+
+def all_entries(lay: Layout, w: Work, gpus_per_node: int) -> tuple[CommEntry, ...]:
+    """Every entry of one iteration, dp then tp then pp."""
+    return tuple(dp_entries(lay, w, gpus_per_node) + tp_entries(lay, w, gpus_per_node)
+                 + pp_entries(lay, w, gpus_per_node))

@@ -1,0 +1,249 @@
+"""Model presets for the analytic planner: parameter counts and transformer shapes.
+
+Each preset carries two parameter counts:
+
+- ``params``: the round figure in the model's name (70e9 for Llama-3 70B). The sizing guides
+  (docs/design.md#sources) size everything with it ("70B × 2 bytes = 140GB", the Turing Inc. guide,
+  FSDP section; "1.5B × 16 = 24GB", the multi-GPU textbook chapter, §4.2.6), so the planner does
+  too, and its figures match theirs.
+- ``shape_params``: the count from the real shape (70.55e9 for Llama-3 70B), for
+  whoever wants the exact figure: pass ``custom_model(..., params=None)`` or
+  ``model.exact()``.
+
+The shapes are the published configs (GPT-2 and GPT-3 papers, Meta's Llama 3 model
+cards and config.json files, BERT's paper). ResNet-50 has no transformer shape, so it
+is known by its parameter count only; activation and TP/PP traffic need a shape.
+
+``ModelSpec.from_gpt(cfg)`` describes the lab's own GPT (``kernels.model.gpt.GPTConfig`` or
+its dict) with ``per_tensor=True``: the planner then sizes every rank tensor by tensor
+(``gpt_tensors``: which weights TP splits and on which dim, which it replicates, and
+which pipeline stage holds them) instead of the sizing guides' even Ψ/(tp·pp).
+Pure Python; no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it: a parameter count and, where known, a shape."""
+
+    name: str
+    params: float  # parameters used for sizing (the nominal figure for presets)
+    layers: int | None = None  # transformer blocks
+    hidden: int | None = None  # d_model
+    heads: int | None = None  # attention (query) heads
+    kv_heads: int | None = None  # key/value heads (GQA); None means = heads
+    ffn: int | None = None  # MLP inner size
+    vocab: int | None = None
+    seq_len: int = 2048  # default sequence length when plan() is given none
+    gated_mlp: bool = False  # SwiGLU: three ffn matrices instead of two (Llama)
+    tied_embeddings: bool = True  # output head shares the input embedding (GPT-2/3, BERT)
+    learned_pos: bool = True  # learned position table of seq_len x hidden (GPT, BERT); RoPE has none
+    bias: bool = True  # linear and LayerNorm biases (GPT, BERT); Llama has none
+    # Megatron fuses q/k/v into one column-parallel GEMM: one backward all-reduce of its
+    # input gradient. The lab's GPT has separate q, k, v Linears, each with its own
+    # DTensor input (from_local), so TP all-reduces that gradient three times.
+    fused_qkv: bool = True
+    per_tensor: bool = False  # size shards tensor by tensor (gpt_tensors), as the lab's GPT is built
+
+    @classmethod
+    def from_gpt(cls, cfg: Any, name: str | None = None) -> "ModelSpec":
+        """The lab's GPT (``kernels.model.gpt.GPTConfig`` or a dict of its fields), counted exactly.
+
+        Untied LM head without bias, learned positions, LayerNorm and Linear biases when
+        ``bias`` (GPT-2), separate q/k/v; ``params`` is the exact count.
+        """
+        get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
+        d_model = int(get("d_model", 64))
+        d_ff = get("d_ff", None)
+        spec = cls(name or f"lab GPT L{get('layers', 4)} d{d_model}", 0.0, int(get("layers", 4)), d_model,
+                   int(get("heads", 4)), None, int(d_ff) if d_ff is not None else 4 * d_model,
+                   int(get("vocab", 256)), seq_len=int(get("seq_len", 32)), tied_embeddings=False,
+                   bias=bool(get("bias", True)), fused_qkv=False, per_tensor=True)
+        return dataclasses.replace(spec, params=spec.shape_params)
+
+    @property
+    def has_shape(self) -> bool:
+        """True when layers and hidden are known, so activations and TP/PP traffic can be sized."""
+        return self.layers is not None and self.hidden is not None
+
+    @property
+    def shape_params(self) -> float | None:
+        """Parameters counted from the shape, or None for a count-only model."""
+        if not self.has_shape or self.ffn is None or self.vocab is None:
+            return None
+        return float(_count_from_shape(self))
+
+    def exact(self) -> "ModelSpec":
+        """The same model sized by its shape-derived count instead of the nominal one."""
+        exact = self.shape_params
+        if exact is None:
+            return self
+        return dataclasses.replace(self, params=exact, name=f"{self.name} (exact)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields."""
+        return dataclasses.asdict(self)
+
+
+def _count_from_shape(m: ModelSpec) -> int:
+    """Weights of a decoder/encoder stack: attention, MLP, norms, embeddings, head."""
+    h, heads = m.hidden, m.heads or 1
+    kv_dim = (m.kv_heads or heads) * (h // heads)  # GQA shrinks only k and v
+    attn = 2 * h * h + 2 * h * kv_dim + (2 * h + 2 * kv_dim if m.bias else 0)
+    mlp = (3 if m.gated_mlp else 2) * h * m.ffn + ((m.ffn + h) if m.bias else 0)
+    norms = (4 if m.bias else 2) * h  # two norms per block, weight (+ bias)
+    embed = m.vocab * h + (m.seq_len * h if m.learned_pos else 0)
+    head = 0 if m.tied_embeddings else m.vocab * h
+    return m.layers * (attn + mlp + norms) + embed + head + (2 if m.bias else 1) * h
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter tensor of a per-tensor model: its shape, TP split and pipeline owner."""
+
+    name: str  # as in kernels.model.gpt.GPT.named_parameters()
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim TP shards (kernels.parallel.tensor_parallel's plans); None = replicated
+    owner: str  # "embed" (first stage), "block" (stage of its block), "head" (last stage)
+    block: int | None = None  # the block index, for owner "block"
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        return math.prod(self.shape)
+
+    def tp_numel(self, tp: int, tp_index: int = 0) -> int:
+        """Elements on tp rank ``tp_index``: the tp dim chunked as torch.chunk does (ceil, the last fewer)."""
+        if self.tp_dim is None or tp == 1:
+            return self.numel
+        d = self.shape[self.tp_dim]
+        c = math.ceil(d / tp)
+        return self.numel // d * max(0, min(c, d - tp_index * c))
+
+
+def _linear(prefix: str, d_out: int, d_in: int, bias: bool, style: str, **where: Any) -> list[TensorSpec]:
+    """nn.Linear's weight (out, in) and bias (out,): colwise shards dim 0 of both, rowwise
+    dim 1 of the weight and replicates the bias (it is added after the all-reduce)."""
+    out = [TensorSpec(f"{prefix}.weight", (d_out, d_in), {"col": 0, "row": 1}.get(style), **where)]
+    if bias:
+        out.append(TensorSpec(f"{prefix}.bias", (d_out,), 0 if style == "col" else None, **where))
+    return out
+
+
+def gpt_tensors(m: ModelSpec) -> tuple[TensorSpec, ...]:
+    """The lab GPT's parameters in model order, with kernels.parallel.tensor_parallel's TP plan.
+
+    Embeddings are row-parallel (Shard(0): vocab rows, position rows), the LM head
+    column-parallel (Shard(0): vocab), q/k/v/fc_in column-parallel, out/fc_out
+    row-parallel; LayerNorms are replicated (sequence parallelism shards their input,
+    not their weights).
+    """
+    if not m.has_shape or m.ffn is None or m.vocab is None or m.gated_mlp or m.tied_embeddings:
+        raise ValueError(f"{m.name}: per-tensor sizing needs the lab GPT's shape (untied, GELU MLP)")
+    h, kv = m.hidden, (m.kv_heads or m.heads or 1) * (m.hidden // (m.heads or 1))
+    out = [TensorSpec("tok_emb.weight", (m.vocab, h), 0, "embed")]
+    if m.learned_pos:
+        out.append(TensorSpec("pos_emb.weight", (m.seq_len, h), 0, "embed"))
+    for i in range(m.layers):
+        blk, b = {"owner": "block", "block": i}, f"blocks.{i}."
+        out += _norm(b + "attn_norm", h, m.bias, **blk)
+        for name, width in (("q", h), ("k", kv), ("v", kv)):
+            out += _linear(b + "attn." + name, width, h, m.bias, "col", **blk)
+        out += _linear(b + "attn.out", h, h, m.bias, "row", **blk)
+        out += _norm(b + "mlp_norm", h, m.bias, **blk)
+        out += _linear(b + "mlp.fc_in", m.ffn, h, m.bias, "col", **blk)
+        out += _linear(b + "mlp.fc_out", h, m.ffn, m.bias, "row", **blk)
+    out += _norm("norm", h, m.bias, owner="head")
+    return tuple(out + _linear("lm_head", m.vocab, h, False, "col", owner="head"))
+
+
+def _norm(prefix: str, h: int, bias: bool, **where: Any) -> list[TensorSpec]:
+    return [TensorSpec(f"{prefix}.{k}", (h,), None, **where) for k in (("weight", "bias") if bias else ("weight",))]
+
+
+_LLAMA = dict(gated_mlp=True, tied_embeddings=False, learned_pos=False, bias=False, vocab=128256)
+
+PRESETS: dict[str, ModelSpec] = {
+    "gpt2-1.5b": ModelSpec("gpt2-1.5b", 1.5e9, 48, 1600, 25, None, 6400, 50257, seq_len=1024),
+    "gpt3-175b": ModelSpec("gpt3-175b", 175e9, 96, 12288, 96, None, 49152, 50257, seq_len=2048),
+    "llama3-8b": ModelSpec("llama3-8b", 8e9, 32, 4096, 32, 8, 14336, seq_len=8192, **_LLAMA),
+    "llama3-70b": ModelSpec("llama3-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=8192, **_LLAMA),
+    "llama3.1-405b": ModelSpec("llama3.1-405b", 405e9, 126, 16384, 128, 8, 53248, seq_len=8192,
+                               **_LLAMA),
+    # Llama-2 70B is the 70B row of the model table in the Rust tutorial's distributed chapter; same
+    # blocks as Llama-3 70B, 32k vocab, 4k context.
+    "llama2-70b": ModelSpec("llama2-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=4096,
+                            **{**_LLAMA, "vocab": 32000}),
+    "bert-base": ModelSpec("bert-base", 110e6, 12, 768, 12, None, 3072, 30522, seq_len=512),
+    # The Rust tutorial's distributed chapter lists ResNet-50 at 25M parameters (the real count is
+    # 25.6M); no transformer shape.
+    "resnet-50": ModelSpec("resnet-50", 25e6),
+}
+
+_ALIASES = {
+    "gpt2xl": "gpt2-1.5b", "gpt21.5b": "gpt2-1.5b", "gpt3": "gpt3-175b", "llama38b": "llama3-8b",
+    "llama370b": "llama3-70b", "llama31405b": "llama3.1-405b", "llama3405b": "llama3.1-405b",
+    "llama270b": "llama2-70b", "bert": "bert-base", "bertbase": "bert-base",
+    "bertbaseuncased": "bert-base", "resnet50": "resnet-50", "resnet": "resnet-50",
+}
+
+
+def _key(name: str) -> str:
+    """Lower-case and drop separators, so "Llama-3-70B", "llama3_70b" and "llama3-70b" agree."""
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+_LOOKUP = {**{_key(k): k for k in PRESETS}, **{_key(k): v for k, v in _ALIASES.items()}}
+
+
+def custom_model(name: str = "custom", *, params: float | None = None, layers: int | None = None,
+                 hidden: int | None = None, heads: int | None = None, ffn: int | None = None,
+                 vocab: int | None = None, **shape: Any) -> ModelSpec:
+    """A model by shape (layers, hidden, heads, ffn, vocab), by parameter count, or both.
+
+    Given a shape and no ``params``, the count comes from the shape. ``ffn`` defaults to
+    4·hidden (GPT) and ``heads`` to hidden/128. Extra keywords are ModelSpec fields
+    (kv_heads, seq_len, gated_mlp, tied_embeddings, learned_pos, bias).
+    """
+    if params is None and (layers is None or hidden is None or vocab is None):
+        raise ValueError("a custom model needs params=..., or layers, hidden and vocab")
+    if hidden is not None:
+        ffn = ffn if ffn is not None else 4 * hidden
+        heads = heads if heads is not None else max(1, hidden // 128)
+    spec = ModelSpec(name, float(params or 0.0), layers, hidden, heads, ffn=ffn, vocab=vocab, **shape)
+    if params is None:
+        spec = dataclasses.replace(spec, params=spec.shape_params)
+    if spec.params <= 0:
+        raise ValueError(f"parameter count must be positive, got {spec.params}")
+    return spec
+
+
+def get_model(model: str | float | int | ModelSpec | Mapping[str, Any] | Any) -> ModelSpec:
+    """Resolve a preset name (any case/separators), a ModelSpec, a dict of fields, or a count.
+
+    A ``kernels.model.gpt.GPTConfig``, or a dict with ``d_model`` (its field names), is the
+    lab's GPT: ``ModelSpec.from_gpt``, sized tensor by tensor.
+    """
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Mapping) and "d_model" in model or hasattr(model, "d_model"):
+        return ModelSpec.from_gpt(model)  # the lab's GPTConfig, or its dict
+    if isinstance(model, Mapping):
+        return custom_model(**dict(model))
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        if not math.isfinite(model) or model <= 0:
+            raise ValueError(f"parameter count must be positive, got {model}")
+        return custom_model(f"{model / 1e9:g}B params", params=float(model))
+    if isinstance(model, str):
+        canonical = _LOOKUP.get(_key(model))
+        if canonical is None:
+            raise ValueError(f"unknown model {model!r}; presets: {', '.join(PRESETS)}, "
+                             "or pass custom_model(...) / a dict / a parameter count")
+        return PRESETS[canonical]
+    raise TypeError(f"model must be a name, a count, a dict or a ModelSpec, not {type(model).__name__}")

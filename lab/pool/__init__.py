@@ -1,0 +1,1 @@
+"""A pool of engines as ranks: starting or attaching, the Cluster handle, forming and recovering the world, supervision, failure and hang reports, spares, the rank map, launchers, lifetimes, and the %px magics."""

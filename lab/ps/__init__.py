@@ -1,0 +1,1 @@
+"""The parameter server on the driver: ParameterServer, its handle and its results."""

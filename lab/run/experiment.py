@@ -1,0 +1,258 @@
+"""An experiment: one model, one parallel layout, real training on the pool's ranks.
+
+``Experiment(cluster, model, parallel, ...)`` checks every argument before anything
+runs: each field's type and range (``kernels.contract.config_rules``, through the ``RunConfig``
+it builds) and the layout against the model and the world (``Parallel.problems``),
+raising one ``ParallelConfigError`` that names every broken rule. Then ``run()`` sends one
+``kernels.contract.run_config.RunConfig`` (as a plain dict) to ``kernels.train.entry.train_rank`` on
+every rank and gathers plain records. The same config trains in one process with
+``reference()``, which is the ground truth.
+
+``start()`` trains without blocking and returns a ``lab.run.run_handle.RunHandle``; ``run()``
+blocks with a progress bar. Both have the ranks send one record per step
+(``kernels.watch.progress``) unless ``run(progress=False)``; ``log_to`` writes them to
+TensorBoard or W&B (``lab.run.run_logs``).
+
+Options (all off by default; then the ranks install nothing and the run
+costs what it did):
+
+- ``trace=True`` (pipeline layouts, pp > 1): the last step is traced on clocks
+  aligned to rank 0 (``kernels.measure.trace``): F/B/I/W per stage, p2p waits, the dp gradient
+  all-reduce and the optimizer step. The driver computes the bubble
+  (``lab.measure.timeline.bubble_from_records``) and the planned order to overlay. Use
+  ``steps >= 2``: the first step also infers the p2p shapes.
+- ``synthetic_forward_s=t`` (pipelines: needs trace): every action is padded to a fixed cost (F = t,
+  B = 2t per rank share, ``kernels.measure.synthetic``), so the bubble can be compared with
+  theory. With real compute and more ranks than cores, the run's warnings say so.
+  Without a pipeline every step's forward is padded to t and its backward to 2t
+  (``kernels.watch.faults``), so a ``lab.Slow`` straggler has a known cost.
+- ``compile=True``: every block runs through ``torch.compile`` on the ranks
+  (``kernels.parallel.compile_blocks``); the first step pays the compilation.
+- ``measure=True``: the last step is probed (``kernels.train.measured_run``): memory per category
+  at rest and, without pp, between forward and backward; collectives per type. The
+  driver sets each value beside its prediction (``lab.measure.memory_and_comm``).
+- ``checkpoint_dir=PATH, checkpoint_every=K`` (``checkpoint_async=True`` in the background):
+  save after every K steps and after the last; ``resume_from=`` a checkpoint (or a
+  safetensors file) goes on from its step under this layout (``lab.run.checkpointing``).
+- ``faults=[lab.Slow(2, 2.0), lab.Hang(1, at_step=2), ...]`` (``lab.run.faults``): faults on
+  purpose, checked before launch and listed in ``RunResult.faults``.
+- ``hang_after=s``: once no rank makes progress for s seconds, ``run()`` raises
+  ``lab.HangError`` with a ``HangReport`` (``lab.pool.hang_report``). Every run publishes
+  each rank's collectives (``kernels.watch.rank_watch``), so a timeout or an interrupt carries
+  the same report; ``RunResult.step_waits`` has each rank's wait and compute per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from kernels.contract.config_rules import ConfigError, Problem, optimizer_problems
+from kernels.model.gpt import GPTConfig
+from kernels.train.reference import train_reference
+from kernels.contract.run_config import RunConfig
+from kernels.train.entry import train_rank
+from lab.run.checkpointing import check_resume, directory_problems, resume_path
+from lab.run import run_logs, run_views
+from lab.pool.cluster import Cluster
+from lab.run.faults import fault_dicts, fault_problems, hang_after_problems
+from lab.pool.hang_report import HangWatch
+from lab.measure.memory_and_comm import comm_records, memory_records
+from lab.run.parallel import Parallel, ParallelConfigError
+from lab.run.run_handle import RunHandle
+from lab.run.run_result import RunResult
+from lab.measure.timeline import bubble_from_records, planned_orders
+
+
+class LayoutWarning(UserWarning):
+    """The layout runs, but is known to be wasteful."""
+
+
+class Experiment:
+    """Train ``model`` under ``parallel`` on ``cluster``; see ``run()`` and ``reference()``.
+
+    ``trace``, ``synthetic_forward_s`` and ``measure`` record what the run did (module docstring).
+    """
+
+    def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
+                 steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
+                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
+                 checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None) -> None:
+        self.cluster, self.model, self.parallel = cluster, model, parallel
+        self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
+        self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
+        self.compile, self.optimizer = compile, optimizer
+        # checkpoints (lab.run.checkpointing): paths made absolute, as the ranks' working directory may differ
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
+        self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
+        self.faults, self.hang_after = faults, hang_after
+        problems = self._problems(optimizer)
+        if problems:  # raised here, before anything reaches the ranks
+            raise ParallelConfigError(problems)
+        self.warnings = parallel.layout_warnings()
+        for message in self.warnings:
+            warnings.warn(message, LayoutWarning, stacklevel=2)
+
+    def _problems(self, optimizer: Any) -> list[Problem]:
+        """Every rule the experiment breaks: its arguments, the rank config they make, the layout against the model."""
+        out = optimizer_problems(optimizer)
+        if not (isinstance(self.model, GPTConfig) and isinstance(self.parallel, Parallel)):
+            return out + [("argument-types", f"model must be a lab.GPT and parallel a lab.Parallel, got "
+                           f"{type(self.model).__name__} and {type(self.parallel).__name__}")]
+        if self.model.seed not in (0, self.seed):  # the model's seed would be silently replaced
+            out.append(("model-seed", f"lab.GPT(seed={self.model.seed}) is not used: the Experiment's seed="
+                        f"{self.seed!r} fixes the weights and the data; pass seed={self.model.seed} to the Experiment"))
+        try:  # the rank config's own rules (kernels.contract.config_rules), exactly as the ranks would apply them
+            self.run_config()
+        except ConfigError as error:
+            out += error.problems
+        out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
+        out += fault_problems(self.faults, self.cluster.world_size, self.steps)
+        out += hang_after_problems(self.hang_after)
+        return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
+
+    def run_config(self, *, return_params: bool = False) -> RunConfig:
+        """The one typed config every rank (and the reference) trains under."""
+        p = self.parallel
+        model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
+        ranks_per_host = _ranks_per_host(self.cluster) if self.trace else None  # ranks cannot see their host
+        return RunConfig(
+            model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
+            optimizer=self.optimizer, dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, fsdp_strategy=p.fsdp_strategy,
+            dp_replicate=p.dp_replicate, schedule=p.schedule, microbatches=p.num_microbatches,
+            stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
+            loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
+            mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, mesh_order=p.mesh_order,
+            compile=self.compile, return_params=return_params, trace=self.trace,
+            synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure,
+            checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every,
+            checkpoint_async=self.checkpoint_async,
+            resume_from=None if self.resume_from is None else os.fspath(self.resume_from),
+            watch_collectives=True, faults=fault_dicts(self.faults))
+
+    def config(self, *, return_params: bool = False) -> dict[str, Any]:
+        """The plain config dict every rank receives: ``run_config().to_dict()``."""
+        return self.run_config(return_params=return_params).to_dict()
+
+    def run(self, *, timeout: float | None = None, return_params: bool = False, progress: bool = True,
+            log_to: str | None = None, wait: bool = True) -> RunResult:
+        """Train on every rank; raises ``lab.RankError`` (with the rank's traceback) on failure.
+
+        Blocks until the end with a progress bar (tqdm) unless ``progress=False``, which also sends
+        no per-step records. ``log_to`` ("tensorboard:DIR" or "wandb") logs every step (``lab.run.run_logs``).
+        With ``resume_from``, the checkpoint is checked here (complete, the model's shapes,
+        steps left to run) and training goes on from its step up to ``steps`` in total.
+        While a run started with ``start()`` trains, this waits for it, saying so; with
+        ``wait=False`` it raises ``lab.PoolBusyError`` instead (``lab.pool.busy``).
+        """
+        if not progress and log_to is None:
+            cfg = self._resumed(self.config(return_params=return_params))
+            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout, wait=wait,
+                                                 hang_watch=HangWatch(self.cluster, self.hang_after)),
+                                cfg, return_params)
+        handle = self._handle(timeout, return_params, log_to)
+        self._claim(handle, wait)
+        with run_views.progress_bar(handle, show=progress):
+            handle._begin(background=False)  # the call runs here, so an interrupt reaches the pool as always
+        return handle.wait()
+
+    def start(self, *, timeout: float | None = None, return_params: bool = False,
+              log_to: str | None = None, wait: bool = True) -> RunHandle:
+        """Start training and return at once: a ``RunHandle`` with ``wait()``, ``done``, ``stop()`` and ``progress``.
+
+        Until it ends, the pool is busy: other calls wait for it (``cluster.busy`` says what runs). A run
+        started while another trains waits for that one first, or with ``wait=False`` raises ``lab.PoolBusyError``.
+        """
+        handle = self._handle(timeout, return_params, log_to)  # a bad log_to is refused here, before any wait
+        self._claim(handle, wait)
+        return handle._begin(background=True)
+
+    def _claim(self, handle: RunHandle, wait: bool) -> None:
+        """Wait until no started run holds the pool (``lab.pool.busy``); a refused or interrupted wait closes ``handle``."""
+        try:
+            self.cluster._wait_until_free(wait)
+        except BaseException:
+            handle._abandon()
+            raise
+
+    def _handle(self, timeout: float | None, return_params: bool, log_to: str | None) -> RunHandle:
+        loggers = run_logs.open_loggers(log_to, self.config(), self.cluster.world_size)  # bad log_to: before launch
+        cfg = self._resumed({**self.config(return_params=return_params), "progress": True})
+        handle = RunHandle(self, cfg, timeout=timeout, return_params=return_params)
+        for logger in loggers:
+            handle.follow(logger.write)
+            handle.on_finish(logger.close)
+        return handle
+
+    def _result(self, per_rank: list[dict[str, Any]], cfg: dict[str, Any], return_params: bool) -> RunResult:
+        """The RunResult of the ranks' records."""
+        found = measurements(per_rank, cfg, [r.host for r in self.cluster.rank_map.ranks])
+        return RunResult(
+            config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
+            step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
+            warnings=list(self.warnings) + found.pop("warnings"),
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
+            first_step=per_rank[0].get("first_step", 0),
+            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg["faults"]), **found)
+
+    def reference(self, *, return_params: bool = False) -> RunResult:
+        """The same training in this process: same init, same global batch per step, same AdamW."""
+        cfg = self._resumed(self.config(return_params=return_params))
+        began = time.perf_counter()
+        out = train_reference(RunConfig.from_dict(cfg))
+        per_step = (time.perf_counter() - began) / max(1, len(out["losses"]))
+        params = {0: {k: v.tolist() for k, v in out["params"].items()}} if return_params else {}
+        return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),
+                         step_times=[[per_step] * len(out["losses"])], layout=[{"rank": 0, "strategy": "reference"}],
+                         params=params, first_step=out["first_step"])
+
+    def _resumed(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``cfg`` with ``resume_from`` resolved to the path the ranks load, checked before anything launches."""
+        if self.resume_from is None:
+            return cfg
+        path = resume_path(self.resume_from)
+        check_resume(path, self.model, self.steps, self.optimizer)
+        return {**cfg, "resume_from": path}
+
+
+def _ranks_per_host(cluster: Any) -> list[int] | None:
+    """For each rank, how many ranks share its host (None when the pool has no rank map)."""
+    rank_map = getattr(cluster, "rank_map", None)
+    if rank_map is None:
+        return None
+    hosts = rank_map.hosts()
+    return [len(hosts[r.host]) for r in rank_map.ranks]
+
+
+def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any], hosts: list[str] | None = None) -> dict[str, Any]:
+    """RunResult's measured fields from the rank records, as JSON-plain data (so a saved run equals a live one).
+
+    Trace records give events, clock, planned and the bubble; measure records give memory
+    and comm rows with their predictions; both may add warnings (oversubscribed
+    real compute, synthetic actions whose real compute overran the target).
+    """
+    traces = [r["trace"] for r in per_rank if r.get("trace")]
+    probes = [r["measure"] for r in per_rank if r.get("measure")]
+    out: dict[str, Any] = {"events": [], "clock": [], "planned": [], "bubble": {}, "memory_records": [],
+                           "comm_records": [],
+                           "warnings": []}
+    if traces:
+        out["events"] = [e for t in traces for e in t["events"]]
+        out["clock"] = [t["clock"] for t in traces]
+        out["planned"] = planned_orders(traces)
+        out["bubble"] = bubble_from_records(traces).to_dict()
+        out["memory_timeline"] = [m for t in traces for m in t.get("memory", [])]  # kernels.measure.memory_timeline samples
+        out["warnings"] = sorted({w for t in traces for w in t["warnings"]})
+        overruns = sum((t["synthetic_cost"] or {}).get("overruns", 0) for t in traces)
+        if overruns:
+            out["warnings"].append(f"synthetic cost: {overruns} actions' real compute overran their target, "
+                                   f"so those took longer than synthetic_forward_s implies")
+    if probes:
+        out["memory_records"] = [m.to_dict() for rec in probes for m in memory_records(rec)]
+        out["comm_records"] = [c.to_dict() for rec in probes for c in comm_records(rec, cfg, hosts)]
+    return json.loads(json.dumps(out))  # tuples become lists, as after a JSON round trip

@@ -1,0 +1,107 @@
+"""Faults on purpose, for teaching and for tests: ``lab.Slow``, ``lab.Hang``, ``lab.Crash``, ``lab.Kill``.
+
+Pass them as ``lab.Experiment(..., faults=[lab.Slow(2, 2.0), lab.Hang(1, at_step=2)])``.
+Each is checked against the pool and the run before anything is launched
+(``fault_problems``: the rank exists, the step is one the run takes, the factor is at
+least 1); the ranks receive them as plain dicts and act on them (``kernels.watch.faults``).
+What each one shows:
+
+- ``Slow(rank, factor)``: that rank's compute takes ``factor`` times as long, so under DP
+  the others wait for it in the gradient all-reduce (``RunResult.step_waits``);
+- ``Hang(rank, at_step)``: the rank stops in the first forward of that step; with
+  ``hang_after=`` the run raises ``lab.HangError`` whose report names it;
+- ``Crash(rank, at_step)``: the rank raises there, a ``lab.RankError`` naming it;
+- ``Kill(rank, at_step)``: the rank SIGKILLs its own engine, a ``lab.DeadRankError``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kernels.contract.config_rules import Problem
+
+
+@dataclass(frozen=True)
+class Slow:
+    """Rank ``rank``'s compute (forward and backward) takes ``factor`` times as long, every step."""
+
+    rank: int
+    factor: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "slow", "rank": self.rank, "factor": float(self.factor)}
+
+
+@dataclass(frozen=True)
+class _AtStep:
+    rank: int
+    at_step: int
+
+    kind = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rank": self.rank, "at_step": self.at_step}
+
+
+@dataclass(frozen=True)
+class Hang(_AtStep):
+    """Rank ``rank`` stops in the first forward of step ``at_step`` (counted from 0) and never returns."""
+
+    kind = "hang"
+
+
+@dataclass(frozen=True)
+class Crash(_AtStep):
+    """Rank ``rank`` raises in the first forward of step ``at_step``."""
+
+    kind = "crash"
+
+
+@dataclass(frozen=True)
+class Kill(_AtStep):
+    """Rank ``rank`` SIGKILLs its own engine in the first forward of step ``at_step``."""
+
+    kind = "kill"
+
+
+FAULTS = (Slow, Hang, Crash, Kill)
+
+
+def fault_dicts(faults: Any) -> tuple[dict[str, Any], ...]:
+    """The plain dicts the ranks receive; anything not a lab fault is left to ``fault_problems`` to name."""
+    return tuple(f.to_dict() for f in faults if isinstance(f, FAULTS)) if isinstance(faults, (list, tuple)) else ()
+
+
+def fault_problems(faults: Any, world_size: int, steps: Any) -> list[Problem]:
+    """[faults]: every fault is a lab fault on a rank of the pool, at a step the run takes, slow by >= 1."""
+    if not isinstance(faults, (list, tuple)):
+        return [("faults", f"faults must be a list of lab.Slow/Hang/Crash/Kill, got {type(faults).__name__}")]
+    out = []
+    for i, f in enumerate(faults):
+        name = f"faults[{i}]"
+        if not isinstance(f, FAULTS):
+            out.append(("faults", f"{name} must be lab.Slow, lab.Hang, lab.Crash or lab.Kill, got {f!r}"))
+            continue
+        if not (_is_int(f.rank) and 0 <= f.rank < world_size):
+            out.append(("faults", f"{name} {f!r}: rank must be one of the pool's ranks 0..{world_size - 1}"))
+        if isinstance(f, Slow):
+            if not (isinstance(f.factor, (int, float)) and not isinstance(f.factor, bool)
+                    and math.isfinite(f.factor) and f.factor >= 1):
+                out.append(("faults", f"{name} {f!r}: factor must be a finite number >= 1 (1: not slow)"))
+        elif not (_is_int(f.at_step) and _is_int(steps) and 0 <= f.at_step < steps):
+            last = steps - 1 if _is_int(steps) else "steps-1"
+            out.append(("faults", f"{name} {f!r}: at_step must be a step the run takes, 0..{last} (steps={steps})"))
+    return out
+
+
+def hang_after_problems(hang_after: Any) -> list[Problem]:
+    """[hang-after]: None, or a finite number of seconds > 0 (a bool is not one)."""
+    if hang_after is None or (isinstance(hang_after, (int, float)) and not isinstance(hang_after, bool)
+                              and math.isfinite(hang_after) and hang_after > 0):
+        return []
+    return [("hang-after", f"hang_after must be None or a number of seconds > 0, got {hang_after!r}")]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,195 @@
+"""What one training run measured, as plain data that can be saved and replayed without ranks.
+
+The views (``timeline``, ``memory``, ``comm``, ``sharding`` and the ``plot_*`` figures)
+are pure functions of these fields, so a ``RunResult`` read back from JSON shows
+exactly what the live one showed (docs/design.md#records-and-views).
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab.measure import timeline as _timeline
+
+
+class NotRecordedError(ValueError):
+    """A view needs data this run did not record (say which Experiment option records it)."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Per-step losses, per-rank step times and the layout each rank actually built.
+
+    ``layout[r]`` is rank r's own description: its mesh coordinates, the strategy,
+    and for every parameter it holds the global and local shapes and placements.
+    ``params`` (only when asked for) maps rank -> {name: nested lists}. The measured
+    fields are empty unless the Experiment asked for them (``trace``, ``measure``).
+    """
+
+    config: dict[str, Any]  # the run config the ranks received (model, layout, training)
+    losses: list[float]  # global-batch mean loss per optimizer step
+    step_times: list[list[float]]  # [rank][step] seconds
+    layout: list[dict[str, Any]]  # [rank] layout record
+    grad_norms: list[float] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    params: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # trace=True (pp > 1): the last step, on clocks aligned to rank 0
+    events: list[dict[str, Any]] = field(default_factory=list)  # TraceEvent dicts of every rank, seconds
+    clock: list[dict[str, Any]] = field(default_factory=list)  # [rank] ClockSync dict: offset, uncertainty
+    planned: list[list[list]] = field(default_factory=list)  # [rank] [[stage, "F"|"B"|"I"|"W", micro-batch]]
+    bubble: dict[str, Any] = field(default_factory=dict)  # BubbleReport dict: measured idle beside theory
+    # measure=True: the last step's memory and collectives, each beside its prediction
+    # (named *_records: ``memory()`` and ``comm()`` are the views)
+    memory_records: list[dict[str, Any]] = field(default_factory=list)  # MemoryRecord dicts
+    comm_records: list[dict[str, Any]] = field(default_factory=list)  # CommRecord dicts
+    # live progress (Experiment.start / run): StepProgress dicts, and the last step of a stopped run
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    stopped_at: int | None = None
+    first_step: int = 0  # steps done before this run (resumed from a checkpoint at that step)
+
+    @property
+    def steps_ran(self) -> list[int]:
+        """The steps this run trained, counted from 1 over the whole training: [4, 5, 6] after a resume at 3."""
+        return list(range(self.first_step + 1, self.first_step + len(self.losses) + 1))
+    # every run (kernels.watch.rank_watch): per rank and step, time in collectives against the rest
+    step_waits: list[dict[str, Any]] = field(default_factory=list)  # kernels.watch.collective_log.StepWait dicts
+    faults: list[dict[str, Any]] = field(default_factory=list)  # lab.Slow/Hang/Crash/Kill injected, as dicts
+    # trace=True: what each rank held after each action of the traced step (kernels.contract.records.MemorySample dicts)
+    memory_timeline: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that took part (1 for the one-process reference)."""
+        return len(self.step_times)
+
+    def matches(self, other: "RunResult", rtol: float = 1e-4) -> bool:
+        """True when every step's loss equals ``other``'s within ``rtol``."""
+        return len(self.losses) == len(other.losses) and all(
+            math.isclose(a, b, rel_tol=rtol) for a, b in zip(self.losses, other.losses))
+
+    def loss_table(self, other: "RunResult | None" = None) -> str:
+        """Step, loss (and the other run's loss beside it) as aligned text."""
+        head = "step  loss" + ("        reference   rel. diff" if other else "")
+        rows = [head]
+        for step, loss in enumerate(self.losses):
+            row = f"{step:>4}  {loss:.6f}"
+            if other:
+                ref = other.losses[step]
+                row += f"    {ref:.6f}    {abs(loss - ref) / abs(ref):.1e}"
+            rows.append(row)
+        return "\n".join(rows)
+
+    # --- views: records in, widgets and figures out ----------------------------------------
+    def _need(self, name: str, what: str) -> None:
+        if not getattr(self, name):
+            option = {"events": "trace=True (a pipeline layout, pp > 1)",
+                      "progress": "nothing: run it with progress on (the default) or start()"}.get(name, "measure=True")
+            raise NotRecordedError(f"this run recorded no {what}: pass {option} to lab.Experiment and run it again")
+
+    def _planned(self) -> dict[int, list]:
+        return {rank: acts for rank, acts in enumerate(self.planned) if acts}
+
+    def timeline(self):
+        """``widgets.PipelineTimeline`` of the traced step: lanes per rank, the bubble, the planned overlay."""
+        from widgets import PipelineTimeline
+        self._need("events", "trace events")
+        return PipelineTimeline(self.events, self.bubble or None, self._planned())
+
+    def plot_timeline(self):
+        """The timeline as a matplotlib Figure (no widget needed)."""
+        from widgets import plot_timeline
+        self._need("events", "trace events")
+        return plot_timeline(self.events, self.bubble or None)
+
+    def to_chrome_trace(self, path: str | Path | None = None) -> dict:
+        """Chrome/Perfetto trace JSON of the traced step, one track per rank; written to ``path`` if given."""
+        self._need("events", "trace events")
+        return _timeline.to_chrome_trace(self.events, path)
+
+    def _need_memory(self) -> None:
+        if not (self.memory_records or self.memory_timeline):
+            raise NotRecordedError("this run recorded no memory: pass measure=True (memory by category) or "
+                                   "trace=True on a pipeline layout (memory along the traced step) to lab.Experiment")
+
+    def memory(self, moment: str = "at_rest"):
+        """``widgets.MemoryView``: per rank and category, measured beside predicted and the ZeRO formula, and the
+        traced step's memory over time per rank (trace=True)."""
+        from widgets import MemoryView
+        self._need_memory()
+        return MemoryView(self.memory_records, moment, timeline=self.memory_timeline)
+
+    def plot_memory(self, moment: str = "at_rest"):
+        """The memory view at ``moment`` as a matplotlib Figure (with the over-time strip when traced)."""
+        from widgets import plot_memory
+        self._need_memory()
+        return plot_memory(self.memory_records, moment, timeline=self.memory_timeline)
+
+    def comm(self) -> CommTable:
+        """Per rank and collective type: count, bytes, seconds and busbw beside the analytic volume."""
+        # A measured run always has memory records; its collectives may be none (a world of one rank).
+        self._need("memory_records", "collectives")
+        return CommTable(sorted(self.comm_records, key=lambda r: (r["rank"], r["source"], r["op"])))
+
+    def sharding(self):
+        """``widgets.ShardingView`` of the layout every rank built."""
+        from widgets import ShardingView
+        return ShardingView(self.layout)
+
+    def dashboard(self):
+        """The run's ``widgets.TrainingDashboard``, replayed from its progress records (``Experiment.run``/``start``)."""
+        from widgets import TrainingDashboard
+
+        self._need("progress", "per-step progress")
+        return TrainingDashboard.replay(self.progress, world_size=self.world_size, steps=self.config.get("steps", 0))
+
+    # --- JSON ------------------------------------------------------------------------------
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialise to JSON (and write it to ``path`` if given)."""
+        text = json.dumps(asdict(self))
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "RunResult":
+        """Read back what ``to_json`` wrote (a JSON string or a file path)."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        data = json.loads(text)
+        data["params"] = {int(k): v for k, v in data.get("params", {}).items()}
+        return cls(**data)
+
+
+_COLUMNS = (("rank", "rank", "{}"), ("op", "op", "{}"), ("source", "source", "{}"), ("n", "group_size", "{}"),
+            ("count", "count", "{}"), ("bytes", "payload_bytes", "{:,}"),
+            ("predicted", "predicted_payload_bytes", "{:,.0f}"), ("ms", "seconds", "{:.3f}"),
+            ("busbw GB/s", "busbw", "{:.3f}"), ("inter-host", "inter_bytes", "{:,.0f}"),
+            ("planned inter", "predicted_inter_bytes", "{:,.0f}"))
+
+
+class CommTable(list):
+    """CommRecord dicts (a plain list) that print as a table: payload bytes beside the analytic volume,
+    and the wire bytes that crossed to another host beside the planner's (docs/design.md#traffic-inside-and-across-hosts).
+
+    ``ms`` is the summed time of the calls; busbw = payload / time × the nccl-tests factor (docs/design.md#bus-bandwidth).
+    """
+
+    def _cells(self) -> list[list[str]]:
+        scale = {"seconds": 1e3, "busbw": 1e-9}
+        return [[("-" if row.get(key) is None else fmt.format(row[key] * scale.get(key, 1)))
+                 for _, key, fmt in _COLUMNS] for row in self]
+
+    def __str__(self) -> str:
+        cells = [[name for name, _, _ in _COLUMNS]] + self._cells()
+        widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(name)}</th>" for name, _, _ in _COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self._cells())
+        return f"<table class='cl-comm-table'><tr>{head}</tr>{body}</table>"

@@ -1,0 +1,61 @@
+"""What follows a ``RunHandle`` on screen: a tqdm progress bar for ``run()``, a live ``TrainingDashboard``.
+
+Both are fed from the handle's monitor thread with the records as they arrive; the
+widgets never see the handle, only plain records (``widgets`` imports no lab code).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+from kernels.contract.records import StepProgress
+
+if TYPE_CHECKING:
+    from lab.run.run_handle import RunHandle
+    from widgets import TrainingDashboard
+
+
+@contextlib.contextmanager
+def progress_bar(handle: "RunHandle", show: bool = True, desc: str | None = None) -> Iterator[None]:
+    """A tqdm bar (the notebook widget in Jupyter) that counts the steps every rank has finished."""
+    if not show:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    steps = handle.config["steps"]
+    bar = tqdm(total=steps, desc=desc or f"training on {handle.world_size} ranks", unit="step")
+    done_by_rank: dict[int, int] = {}
+
+    def advance(records: list[StepProgress]) -> None:
+        for record in records:
+            done_by_rank[record.rank] = max(done_by_rank.get(record.rank, -1), record.step)
+        if len(done_by_rank) == handle.world_size:
+            everywhere = min(done_by_rank.values()) + 1
+            if everywhere > bar.n:
+                bar.update(everywhere - bar.n)
+                last = records[-1]
+                bar.set_postfix(loss=f"{last.loss:.4f}", step_ms=f"{1e3 * last.step_s:.1f}", refresh=False)
+
+    handle.follow(advance)
+    try:
+        yield
+    finally:
+        handle.unfollow(advance)  # a wait that was interrupted leaves the run going: the closed bar stops following
+        bar.close()
+
+
+def follow_dashboard(handle: "RunHandle", stale_after: float) -> "TrainingDashboard":
+    """A dashboard that shows every record so far, then each new one as it arrives, and the end of the run."""
+    from widgets import TrainingDashboard
+
+    view = TrainingDashboard(world_size=handle.world_size, steps=handle.config["steps"], stale_after=stale_after)
+
+    def show(records: list[StepProgress]) -> None:
+        view.add(records, heard_at=handle.heard_at())
+
+    handle.follow(show)
+    handle.on_finish(lambda: view.finish(heard_at=handle.heard_at()))
+    if handle.done:
+        view.finish(heard_at=handle.heard_at())
+    return view

@@ -1,0 +1,243 @@
+"""A training that keeps its weights on a warm pool: ``lab.Training(cluster, model, parallel, ...)``.
+
+An ``Experiment`` builds its layout, trains and frees everything in one ``run()``. A
+``Training`` builds the layout once on the ranks (``kernels.train.live_training``) and holds
+the model, the optimizer and the data position there between cells:
+
+- ``step(n)`` trains n more steps and returns their ``RunResult`` (measured as an
+  Experiment with the same ``trace``/``measure`` options measures its run: the last step
+  of the call). Steps continue exactly: ``step(3)`` then ``step(3)`` computes what one
+  ``Experiment(steps=6).run()`` computes, bit for bit;
+- ``losses`` is every step's loss so far (loaded from an Experiment's checkpoint: the
+  steps after it, as that checkpoint keeps only its last loss);
+- ``relayout(parallel)`` moves the live weights and optimizer state to another layout
+  (and world size) on the same engines: the old layout writes them with DCP, the new one
+  reads its own pieces back (``kernels.train.live_training.relayout_training``); training then
+  goes on from the same step as if the layout had never changed (within the parity
+  tolerance: another layout sums in another order);
+- ``checkpoint_dir``/``checkpoint_every=K``: ``step()`` saves after every global step that
+  is a multiple of K and after its last step, so a run a failure stops resumes from the
+  last complete save with ``Training.load``; ``checkpoint_async=True`` writes them in the
+  background (``dcp.async_save``, as an Experiment's), and ``step()`` returns once the last
+  one is complete;
+- ``save(path)`` writes a checkpoint (``kernels.checkpoint.save_load``: any layout loads it, an
+  ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
+  builds a Training from one, under the saved layout or another;
+- ``close()`` frees the ranks' objects and groups (so does any failure that rebuilds
+  the world; a later call then says the training is gone).
+
+The layout may use fewer ranks than the pool has (``parallel.world_size`` of them, the
+first ones); the others hold nothing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kernels.train import live_training
+from kernels.checkpoint.files import read_meta, resolve, step_dir
+from kernels.model.gpt import GPTConfig
+from kernels.contract.run_config import RunConfig
+from lab.pool.cluster import Cluster
+from lab.errors import LabError, RankError
+from lab.run.experiment import Experiment, measurements
+from lab.run.parallel import Parallel, ParallelConfigError
+from lab.run.run_result import RunResult
+
+
+@dataclass(frozen=True)
+class _RanksOfLayout:
+    """The pool as an Experiment sees it when the layout trains on its first ``world_size`` ranks only."""
+
+    pool: Cluster
+    world_size: int
+
+    @property
+    def rank_map(self) -> Any:
+        return getattr(self.pool, "rank_map", None)
+
+
+class Training:
+    """Train ``model`` under ``parallel`` on ``cluster``, holding the state on the ranks between calls (module doc)."""
+
+    def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
+                 lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
+                 synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+                 checkpoint_async: bool = False) -> None:
+        self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
+                                                   trace=trace, synthetic_forward_s=synthetic_forward_s,
+                                                   measure=measure, compile=compile,
+                                                   checkpoint_dir=_absolute(checkpoint_dir),
+                                                   checkpoint_every=checkpoint_every,
+                                                   checkpoint_async=checkpoint_async))
+        self._open(self.experiment.run_config())
+
+    def _setup(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> None:
+        """The driver's side: checked (nothing reaches the ranks when a rule is broken), at step 0."""
+        self.cluster, self._options = cluster, options
+        self.key = f"training-{uuid.uuid4().hex[:12]}"  # the ranks' registry key of this training
+        self.losses: list[float] = []  # every step's, as far as known (an Experiment's checkpoint keeps none)
+        self.steps_done = 0  # optimizer steps taken so far: the next step() trains global step steps_done first
+        self.experiment = self._experiment(model, parallel, options)
+
+    @property
+    def model(self) -> GPTConfig:
+        return self.experiment.model
+
+    @property
+    def parallel(self) -> Parallel:
+        return self.experiment.parallel
+
+    def _experiment(self, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> Experiment:
+        """The Experiment whose checks and run config this layout gets; refused before anything reaches the ranks."""
+        pool_size = self.cluster.world_size
+        size = parallel.world_size if isinstance(parallel, Parallel) else pool_size
+        if size > pool_size:
+            raise ParallelConfigError([("world-size", f"dp*tp*pp = {size} is more than the pool's "
+                                        f"{pool_size} ranks")])
+        return Experiment(_RanksOfLayout(self.cluster, size) if size < pool_size else self.cluster, model, parallel,
+                          steps=1, **options)
+
+    def _run_config(self, steps: int) -> RunConfig:
+        run = self.experiment.run_config()
+        size = self.parallel.world_size
+        return replace(run, steps=steps, world_size=size if size < self.cluster.world_size else None)
+
+    def _open(self, run: RunConfig) -> None:
+        self.cluster.run(live_training.open_training, self.key, run.to_dict(), next_step=self.steps_done,
+                         losses=self.losses)
+
+    def relayout(self, parallel: Parallel, *, through: str | os.PathLike | None = None, **options: Any) -> "Training":
+        """Reshard the live model and optimizer to ``parallel`` (another layout, another world size) in place.
+
+        Checked like a new Experiment before anything moves; ``options`` change the measuring
+        options (``trace``, ``synthetic_forward_s``, ``measure``) from here on. ``through`` is the directory the
+        state passes through (default: a temporary one in memory-backed /dev/shm where there is
+        one, removed after); a pool on several hosts needs one every host can read.
+        """
+        unknown = set(options) - {"trace", "synthetic_forward_s", "measure"}
+        if unknown:
+            raise TypeError(f"relayout() changes only the measuring options, not {', '.join(sorted(unknown))}")
+        new_options = {**self._options, **options}
+        experiment = self._experiment(self.model, parallel, new_options)
+        hosts = getattr(self.cluster, "rank_map", None)
+        if through is None and hosts is not None and len(hosts.hosts()) > 1:
+            raise ValueError("this pool spans several hosts: pass relayout(..., through=PATH) on a filesystem "
+                             "every host shares")
+        base = Path(through) if through is not None else Path(tempfile.mkdtemp(
+            prefix="lab-relayout-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        old = self.experiment, self._options
+        self.experiment, self._options = experiment, new_options
+        try:
+            cfg = self._run_config(1).to_dict()
+            self._call(live_training.relayout_training, self.key, cfg, str(step_dir(base, self.steps_done)))
+        except BaseException:
+            self.experiment, self._options = old  # the ranks hold the old layout still, or nothing (the error says)
+            raise
+        finally:
+            if through is None:
+                shutil.rmtree(base, ignore_errors=True)
+        return self
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Save the live state as a checkpoint directory ``path/step_NNNNNN``; returns that directory."""
+        target = step_dir(path, self.steps_done)
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._call(live_training.save_training, self.key, str(target))
+        return target
+
+    @classmethod
+    def load(cls, cluster: Cluster, path: str | os.PathLike, *, parallel: Parallel | None = None,
+             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+             checkpoint_async: bool = False, **options: Any) -> "Training":
+        """A Training from a checkpoint (a step directory, or the latest complete one under ``path``).
+
+        ``parallel`` defaults to the saved layout; any other valid layout of the same model
+        loads it too. The model, seed, batch size and learning rate are the saved run's;
+        ``checkpoint_dir``/``checkpoint_every``/``checkpoint_async`` and ``options`` (``trace``, ``measure``, ...) are as for a
+        new Training.
+        """
+        found = resolve(path)
+        saved = RunConfig.from_dict(read_meta(found)["config"])
+        training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
+        training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
+                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed,
+                             checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every,
+                             checkpoint_async=checkpoint_async, **options))
+        meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
+                              str(found))[0]
+        training.losses = list(meta.get("losses", []))
+        training.steps_done = int(meta["step"])
+        return training
+
+    def step(self, n: int = 1, *, timeout: float | None = None, return_params: bool = False,
+             wait: bool = True) -> RunResult:
+        """Train ``n`` more steps on the held state; returns those steps' RunResult (losses of these steps only).
+
+        ``wait=False`` raises ``lab.PoolBusyError`` while a started run trains, instead of waiting for it.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive int (steps to train), got {n!r}")
+        cfg = self._run_config(n).to_dict()
+        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout,
+                              wait=wait)
+        first = per_rank[0]["first_step"]
+        if first != self.steps_done:
+            raise LabError(f"the ranks stood at step {first}, the driver at {self.steps_done}: the training was "
+                           "stepped from elsewhere")
+        self.losses += per_rank[0]["losses"]
+        self.steps_done += n
+        found = measurements(per_rank, cfg)
+        return RunResult(
+            config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0]["grad_norms"]),
+            step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
+            warnings=list(self.experiment.warnings) + found.pop("warnings"),
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
+            first_step=first, **found)
+
+    def _call(self, fn: Any, *args: Any, timeout: float | None = None, wait: bool = True,
+              **kwargs: Any) -> list[Any]:
+        try:
+            return self.cluster.run(fn, *args, timeout=timeout, wait=wait, **kwargs)
+        except RankError as error:
+            if any(f.ename == "TrainingGoneError" for f in error.failures):
+                raise LabError(f"the training {self.key} is no longer on the ranks (closed, or its world was "
+                               "rebuilt after a failure): load it from a checkpoint with lab.Training.load") from error
+            raise
+
+    def close(self) -> None:
+        """Free the model, optimizer and mesh groups on the ranks (a stopped pool has nothing left to free)."""
+        if not self.cluster.stopped:
+            self.cluster.run(live_training.close_training, self.key)
+
+    def __enter__(self) -> "Training":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<Training {self.parallel.describe()} on {self.parallel.world_size} ranks, "
+                f"{self.steps_done} steps done>")
+
+
+def _absolute(path: str | os.PathLike | None) -> str | None:
+    # The ranks' working directory may differ from the notebook's.
+    return None if path is None else os.path.abspath(os.fspath(path))
+
+
+def saved_layout(run: RunConfig) -> Parallel:
+    """The lab.Parallel a run config was made from: the fields both share, the resolved defaults left unset."""
+    names = {f.name for f in fields(Parallel)} - {"microbatches", "stages_per_rank"}
+    parallel = Parallel(**{name: getattr(run, name) for name in names})
+    if run.microbatches not in (None, parallel.num_microbatches):
+        parallel = replace(parallel, microbatches=run.microbatches)
+    if run.stages_per_rank not in (None, parallel.num_stages_per_rank):
+        parallel = replace(parallel, stages_per_rank=run.stages_per_rank)
+    return parallel
