@@ -136,6 +136,7 @@ def test_a_checkpoint_lists_its_step_layout_world_and_bytes(request, saved):
     assert found[0].saved_at <= found[1].saved_at
 
 
+@pytest.mark.slow  # fast tier: one case per capability; measured 9 s; test_training checks async saves too
 def test_an_asynchronous_save_resumes_bit_for_bit_too(request, saved, tmp_path):
     pool = _pool(request, "zero3-dp4")
     whole, _ = saved(pool, "zero3-dp4")
@@ -147,6 +148,7 @@ def test_an_asynchronous_save_resumes_bit_for_bit_too(request, saved, tmp_path):
     assert resumed.params == whole.params
 
 
+@pytest.mark.slow  # fast tier: one case per capability; measured 11.3 s
 def test_plain_sgd_resumes_under_another_layout_and_bit_for_bit_under_its_own(request, tmp_path):
     pool = request.getfixturevalue("cluster")
     root = str(tmp_path / "sgd")

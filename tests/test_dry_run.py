@@ -31,6 +31,7 @@ def _no_process_group_here() -> bool:
     return dist is None or not dist.is_initialized()
 
 
+@pytest.mark.slow  # fast tier: one case per capability; measured 8.7 s
 def test_llama3_70b_rank0_tp8_dp4_fsdp_params_within_2_percent_of_plan():
     analytic = plan("llama3-70b", gpus=32, gpus_per_node=8, parallel={"tp": 8, "fsdp_strategy": "full"})
     report = dry_run(analytic, "llama3-70b", rank=0)
@@ -112,6 +113,7 @@ def test_small_model_shard_bytes_equal_real_tensor_chunks(rank):
     assert report.shape_params == report.nominal_params == report.plan.params
 
 
+@pytest.mark.slow  # fast tier: one case per capability; measured 13.9 s
 def test_zero2_row_counts_parameters_whole_and_zero0_holds_everything():
     z2 = dry_run({"tp": 2, "dp": 2, "zero": 2}, TINY)
     assert z2.measured["params"] * 2 == z2.measured["params_whole"]  # every dim 0 here splits evenly by 2
@@ -130,6 +132,7 @@ def test_hybrid_shards_within_a_node_only():
     assert report.measured["params_whole"] == full.measured["params_whole"]
 
 
+@pytest.mark.slow  # fast tier: one case per capability; measured 6.9 s
 def test_report_shows_measured_beside_plan_in_text_and_html():
     report = dry_run({"tp": 2, "dp": 2, "pp": 2, "fsdp_strategy": "full"}, TINY, rank=7)
     text, page = repr(report), report._repr_html_()

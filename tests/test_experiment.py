@@ -94,6 +94,7 @@ def process_groups_and_rss() -> tuple[int, int]:
     return len(c10d._world.pg_map), psutil.Process().memory_info().rss
 
 
+@pytest.mark.slow  # fast tier: one case per capability; measured 16.6 s; test_warm_pool_memory covers 50 runs
 def test_repeated_runs_on_a_warm_pool_leak_no_groups_or_memory(cluster):
     exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=2, tp=2, zero=3), global_batch=8, steps=2)
     exp.run()

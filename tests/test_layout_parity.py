@@ -143,6 +143,17 @@ for _s in SCHEDULES:
     SLOW.add(f"pp4-{_s}-two-blocks-per-stage")
 
 
+# The fast tier keeps one case per layout family (docs/design.md#tests); the variants run in
+# the full suite. Each case costs 1.5-5 s on the shared 4-rank pool.
+SLOW |= {"ddp4-grad-accumulation", "tp4", "tp4-sp-loss-parallel", "tp2-dp2-tp-groups-apart", "tp2-fsdp2-zero3-sp",
+         "tp2-fsdp2-zero3-ac", "zero1-dp4-sgd", "tp2-fsdp2-zero3-sgd", "ddp4-bf16-autocast",
+         "zero1-dp4-bf16-autocast", "tp4-sp-bf16-autocast", "pp2-tp2-sequence-parallel", "pp2-dp2-zero1",
+         "pp2-dp2-fsdp-zero2", "pp2-dp2-activation-checkpointing", "pp2-dp2-pp-fastest", "pp2-dp2-bf16-autocast"}
+for _s in SCHEDULES:  # every schedule stays in the fast tier once, as PP 2 x DP 2; 1F1B in every shape
+    if _s != "1f1b":
+        SLOW |= {f"pp2-{_s}", f"pp4-{_s}", f"pp2-{_s}-two-blocks-per-stage"}
+
+
 def _case(layout_id: str):
     marks = [pytest.mark.slow] if layout_id in SLOW else []
     return pytest.param(layout_id, marks=marks, id=layout_id)

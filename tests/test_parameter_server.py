@@ -92,7 +92,7 @@ def test_a_worker_that_raises_is_named_and_the_pool_runs_on(cluster):
     assert after.matches(again, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])  # 7 s each
 def test_a_hung_worker_is_named_in_a_hang_report_and_the_pool_runs_on(cluster, mode):
     ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode=mode, faults=[lab.Hang(3, at_step=1)],
                              hang_after=3.0, **RUN)
@@ -140,7 +140,7 @@ def test_a_killed_worker_is_named_and_a_replaced_engine_serves_the_next_run(clus
     assert ps.run(timeout=120).matches(ps.reference(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["sync", "bounded"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("bounded", marks=pytest.mark.slow)])  # 5 s each
 def test_stop_ends_a_started_run_after_a_step_and_the_pool_runs_on(cluster, mode):
     steps = 400  # far more than run in the seconds before the stop
     ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode=mode, global_batch=12, steps=steps,

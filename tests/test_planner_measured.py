@@ -120,7 +120,11 @@ def _check_tp_split(rec: dict, tp: int) -> None:
         assert (dims[0] if dims else None) == (spec[name].tp_dim if tp > 1 else None), (name, info)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# The fast tier keeps one case per family (DP, ZeRO-3, TP, TP x DP, PP); each costs 2.5-5 s.
+FAST = {"ddp", "zero3", "tp4", "tp2_dp2_zero3", "pp2_tp2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_planner_predicts_the_measured_model_states_and_traffic(cluster, name):
     layout = LAYOUTS[name]
     p, out = _plan(layout), measure_layout(cluster, {**BASE, **layout})

@@ -11,7 +11,8 @@ from lab.errors import LabError
 TINY = dict(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq_len=16)
 
 
-@pytest.mark.parametrize("parallel", [lab.Parallel(dp=2, tp=2, zero=3), lab.Parallel(dp=4)], ids=["tp2-dp2-zero3", "ddp"])
+@pytest.mark.parametrize("parallel", [pytest.param(lab.Parallel(dp=2, tp=2, zero=3), marks=pytest.mark.slow),  # 16 s
+                                      lab.Parallel(dp=4)], ids=["tp2-dp2-zero3", "ddp"])
 def test_steps_continue_bit_for_bit(cluster, tmp_path, parallel):
     """step(2) then step(1) is one 3-step Experiment's computation, to the bit; so is a save loaded and stepped."""
     model = lab.GPT(**TINY)
