@@ -19,6 +19,7 @@ from typing import Any
 
 from kernels.contract import config_rules as rules
 from kernels.contract import layout_rules
+from kernels.contract.layout_combinations import combination_problems
 from kernels.contract.records import Record
 
 # The switches: each must be True or False.
@@ -44,7 +45,7 @@ class RunConfig(Record):
     mixed_precision: str | None = None
     cpu_offload: bool = False
     compile: bool = False  # torch.compile each block (kernels.parallel.compile_blocks)
-    microbatches: int | None = None  # None: 1, or pp with a pipeline
+    microbatches: int | None = None  # None: layout_rules.default_microbatches (1 without a pipeline)
     schedule: str = "1f1b"
     stages_per_rank: int | None = None  # None: kernels.contract.layout_rules.default_stages_per_rank
     # optimizer and data
@@ -108,8 +109,10 @@ class RunConfig(Record):
 def run_problems(c: RunConfig) -> list[rules.Problem]:
     """Every named rule (``kernels.contract.config_rules``) that the run's fields break; empty when valid.
 
-    The layout rules that need the world and the model together (``lab.Parallel.check``)
-    are the driver's; the ranks check them again as they build the mesh and the TP plan.
+    The layout's combined fields are checked as ``lab.Parallel`` checks them
+    (``kernels.contract.layout_combinations``). The rules that need the world and the model
+    together are the driver's (``lab.Parallel.check``); the ranks check them again as they
+    build the mesh and the TP plan.
     """
     out = rules.size_problems({"dp": c.dp, "tp": c.tp, "pp": c.pp, "global_batch": c.global_batch, "steps": c.steps,
                                "align_rounds": c.align_rounds},
@@ -131,6 +134,11 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
         out.append(("positive-sizes", f"ranks_per_host must be None or a list of positive ints, got {hosts!r}"))
     elif hosts is not None:
         out += rules.size_problems({f"ranks_per_host[{i}]": n for i, n in enumerate(hosts)})
+    if not out:  # the rules that combine the layout's fields, as lab.Parallel applies them
+        out += combination_problems(dp=c.dp, tp=c.tp, pp=c.pp, zero=c.zero, fsdp_strategy=c.fsdp_strategy,
+                                    dp_replicate=c.dp_replicate, cpu_offload=c.cpu_offload,
+                                    loss_parallel=c.loss_parallel, schedule=layout_rules.canonical_schedule(c.schedule),
+                                    stages_per_rank=c.stages_per_rank, microbatches=c.microbatches)
     return out
 
 

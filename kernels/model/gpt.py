@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from kernels.contract import config_rules, layout_rules
+from kernels.contract.layout_combinations import stage_split_problems
 from kernels.contract.run_config import RunConfig
 
 
@@ -149,7 +150,7 @@ class GPT(nn.Module):
     def tp_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits: each must be divisible by tp."""
         c = self.config
-        return {"heads": c.heads, "d_ff": c.d_ff, "vocab": c.vocab, "seq_len": c.seq_len}
+        return {"heads": c.heads, "d_model": c.d_model, "d_ff": c.d_ff, "vocab": c.vocab, "seq_len": c.seq_len}
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
         """(plan of every block, plan of the modules outside them) for ``parallelize_module``."""
@@ -250,6 +251,9 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
     Stage 0 keeps the embeddings, the last stage keeps ``norm`` and ``lm_head``, and
     each keeps its own contiguous blocks under their original names.
     """
+    problems = stage_split_problems(model.config.layers, num_stages)  # the rule lab.Parallel applies
+    if problems:
+        raise ValueError(f"[{problems[0][0]}] {problems[0][1]}")
     keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
     for name in list(model.blocks.keys()):
         if name not in keep:

@@ -10,10 +10,10 @@ Zhao et al., 2023) and the rules for combining them:
   (dp, 1) HSDP mesh: DDP cannot take TP's DTensors;
 - inside a pipeline, zero 0 with dp > 1 averages gradients by hand after the schedule
   (one all_reduce per gradient, shard by shard for TP DTensors);
-- ZeRO-1 cannot shard DTensors; CPU offload is an FSDP2 policy (zero >= 2);
+- which combinations can run is ``kernels.contract.layout_combinations``' (the rules ``lab.Parallel``
+  applies too): ZeRO-1 cannot shard DTensors, CPU offload needs full sharding (zero 3), ...;
 - bf16 is FSDP2's MixedPrecisionPolicy where FSDP2 syncs gradients, and
   ``torch.autocast`` around each module's forward everywhere else (``Strategy.autocast``);
-- loss parallelism needs the loss outside the pipeline schedule.
 
 Run alone (prints the strategy of a few layouts)::
 
@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass
 
 from kernels.contract import layout_rules
+from kernels.contract.layout_combinations import combination_problems
 from kernels.parallel.mesh import ParallelDims
 from kernels.contract.run_config import RunConfig
 
@@ -97,22 +98,23 @@ def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | 
                      cpu_offload: bool = False, compile: bool = False, schedule: str | None = None,
                      stages_per_rank: int | None = None, microbatches: int | None = None) -> Strategy:
     """The one Strategy these options mean on ``dims``; ValueError for combinations that cannot run."""
+    schedule = layout_rules.canonical_schedule(schedule or "1f1b")
+    problems = combination_problems(dp=dims.dp, tp=dims.tp, pp=dims.pp, zero=zero, fsdp_strategy=fsdp_strategy,
+                                    dp_replicate=dp_replicate, cpu_offload=cpu_offload, loss_parallel=loss_parallel,
+                                    schedule=schedule, stages_per_rank=stages_per_rank,
+                                    microbatches=microbatches if dims.pp > 1 else None)
+    if problems:  # the same rules lab.Parallel applies on the driver
+        raise ValueError("; ".join(f"[{rule}] {message}" for rule, message in problems))
     zero = layout_rules.zero_stage(zero, fsdp_strategy)
     hybrid = fsdp_strategy == "hybrid"
     replicate = layout_rules.hsdp_split(dims.dp, dp_replicate)[0] if hybrid else 1
-    if zero == 1 and dims.tp > 1:
-        raise ValueError("ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters: use zero 2/3 with tp > 1")
-    if cpu_offload and zero < 2 and not (dims.tp > 1 and dims.dp > 1 and dims.pp == 1):
-        raise ValueError("cpu_offload is an FSDP2 policy: it needs zero 2 or 3")
     if dims.pp > 1:
-        if loss_parallel:  # vocab-sharded logits would need loss_parallel() around every stage's backward
-            raise ValueError("loss_parallel is not supported with pp > 1: the pipeline schedule owns the loss")
-        schedule = layout_rules.canonical_schedule(schedule or "1f1b")
         sync = (GradSync.FSDP if zero >= 2 else GradSync.ZERO1 if zero == 1
                 else GradSync.ALLREDUCE if dims.dp > 1 else GradSync.NONE)
         hybrid = hybrid and zero >= 2
-        pipeline = {"schedule": schedule, "microbatches": int(microbatches or dims.pp),
-                    "stages_per_rank": int(stages_per_rank or layout_rules.default_stages_per_rank(schedule))}
+        v = int(stages_per_rank or layout_rules.default_stages_per_rank(schedule))
+        pipeline = {"schedule": schedule, "stages_per_rank": v,
+                    "microbatches": int(microbatches or layout_rules.default_microbatches(schedule, dims.pp, v))}
     else:
         if dims.tp > 1 and dims.dp > 1 and zero < 2:  # DDP cannot take TP DTensors: FSDP2 replication
             zero, hybrid, replicate = 2, True, dims.dp

@@ -36,6 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from kernels.contract.layout_combinations import tp_split_problems
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> nn.Module:
@@ -46,9 +48,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     Every tp rank must hold the same weights (built from one seed, or on the meta device).
     """
     tp = tp_mesh.size()
-    bad = [f"{k}={v}" for k, v in model.tp_sizes().items() if v % tp]
-    if bad:
-        raise ValueError(f"apply_tp: {', '.join(bad)} must be divisible by tp={tp}")
+    problems = tp_split_problems(tp, model.tp_sizes(), sequence_parallel)  # the rules lab.Parallel applies
+    if problems:
+        raise ValueError("apply_tp: " + "; ".join(f"[{rule}] {message}" for rule, message in problems))
     block_plan, outer_plan = model.tp_plan(sequence_parallel, loss_parallel)
     # Every rank built the same weights from the seed, so each slices its shard locally
     # (src_data_rank=None) instead of receiving it from rank 0: no collective per weight.

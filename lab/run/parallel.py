@@ -17,11 +17,13 @@ Two kinds of checks:
   layouts that are valid but wasteful.
 
 Every rule has a short name (the keys of ``RULES``); error messages start with
-``[name]`` so tests, widgets and users can tell them apart. The schedule, placement,
-micro-batch, ZeRO and HSDP rules come from ``kernels.contract.layout_rules``, which the ranks
-use too (its micro-batch rules are torch 2.13's own checks); the rules on each field's
-type and range come from ``kernels.contract.config_rules``, which ``RunConfig`` and ``GPTConfig``
-apply too. No torch here.
+``[name]`` so tests, widgets and users can tell them apart. The rules that combine a
+layout's fields (schedule, placement, micro-batches, ZeRO, HSDP, CPU offload, loss
+parallel) and the sizes tensor parallelism and the stages split are
+``kernels.contract.layout_combinations``, which the ranks apply too, so both sides accept
+and refuse the same layouts (its micro-batch rules are torch 2.13's own checks); the rules
+on each field's type and range come from ``kernels.contract.config_rules``, which
+``RunConfig`` and ``GPTConfig`` apply too. No torch here.
 """
 from __future__ import annotations
 
@@ -31,12 +33,10 @@ from typing import Any
 
 from kernels.contract import config_rules
 from kernels.contract.config_rules import ConfigError, Problem
-from kernels.contract.layout_rules import (FSDP_STRATEGY_ZERO, SCHEDULES, default_microbatches, default_stages_per_rank,
-                                  MESH_AXES, hsdp_split, mesh_order_problems, microbatch_problems, stage_problems,
-                                  zero_stage)
+from kernels.contract.layout_combinations import combination_problems, stage_split_problems, tp_split_problems
+from kernels.contract.layout_rules import (MESH_AXES, default_microbatches, default_stages_per_rank, hsdp_split,
+                                           mesh_order_problems, zero_stage)
 
-# Pipeline schedules that split each backward into an input-gradient and a weight-gradient pass.
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 # Each switch of a layout: True or False, nothing else (kernels.contract.config_rules.flag_problems).
 FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload")
 
@@ -202,52 +202,11 @@ class Parallel:
         out += mesh_order_problems(self.mesh_order)
         if out:  # the rules below combine fields, and assume each is sane
             return out
-        if self.schedule not in SCHEDULES:  # the defaults below depend on a known schedule
-            return stage_problems(self.schedule, 1)
-        return self._schedule_problems() + self._sharding_problems()
-
-    def _schedule_problems(self) -> list[Problem]:
-        v = self.num_stages_per_rank
-        return stage_problems(self.schedule, v) + microbatch_problems(self.schedule, self.pp, v,
-                                                                      self.num_microbatches)
-
-    def _sharding_problems(self) -> list[Problem]:
-        out = []
-        if self.fsdp_strategy is not None and self.zero != 0 \
-                and self.zero not in FSDP_STRATEGY_ZERO[self.fsdp_strategy]:
-            out.append(("zero-fsdp-agree", f"zero={self.zero} disagrees with fsdp_strategy="
-                        f"{self.fsdp_strategy!r} (zero 2 is grad_op, zero 3 is full, hybrid is 2 or 3)"))
-        if self.fsdp_strategy == "hybrid" and self.dp < 2:
-            out.append(("hybrid-dp", f"hybrid sharding splits dp into replicate x shard, needs dp >= 2, got dp={self.dp}"))
-        if self.dp_replicate is not None and (self.fsdp_strategy != "hybrid" or self.dp % self.dp_replicate):
-            out.append(("dp-replicate", f"dp_replicate={self.dp_replicate} needs fsdp_strategy 'hybrid' and "
-                        f"must divide dp={self.dp} (dp = dp_replicate * dp_shard); "
-                        f"got fsdp_strategy={self.fsdp_strategy!r}"))
-        if self.cpu_offload and self._zero_in_effect() != 3:
-            out.append(("cpu-offload", "cpu_offload uses FSDP2's CPUOffloadPolicy, which this lab applies "
-                        f"with full sharding only (zero 3 or fsdp_strategy 'full'/'hybrid'); got zero={self.zero}, "
-                        f"fsdp_strategy={self.fsdp_strategy!r}"))
-        if self.zero == 1 and self.tp > 1:
-            out.append(("zero1-dtensor", "zero=1 uses ZeroRedundancyOptimizer, which does not support "
-                        f"DTensor parameters, and tp={self.tp} makes them DTensors; use zero 2/3 (FSDP2) with TP"))
-        if self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES and self._zero_in_effect() == 3:
-            # Measured on torch 2.13 (gloo, tiny GPT): the first step's gradient norm is 5% (dualpipev) to
-            # 38% (zbv) below the one-process reference, with dp = 1 too; ZeRO-2 matches it to 1e-7.
-            out.append(("zero3-split-backward", f"zero 3 (FSDP2 resharding after forward) with schedule "
-                        f"{self.schedule!r} trains with wrong gradients on the ranks (they differ from the "
-                        "one-process reference); use zero 2 (fsdp_strategy 'grad_op') or a schedule without "
-                        "split backward (gpipe, 1f1b, interleaved_1f1b, looped_bfs)"))
-        if self.loss_parallel and self.pp > 1:
-            out.append(("loss-parallel-pp", f"loss_parallel needs pp == 1, got pp={self.pp}: a pipeline schedule "
-                        "computes the loss inside its last stage, outside torch's loss_parallel() context"))
-        return out
-
-    def _zero_in_effect(self) -> int | None:
-        """zero_stage, or None while zero and fsdp_strategy disagree (reported by their own rules)."""
-        try:
-            return self.zero_stage
-        except ValueError:
-            return None
+        return combination_problems(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero,
+                                    fsdp_strategy=self.fsdp_strategy, dp_replicate=self.dp_replicate,
+                                    cpu_offload=self.cpu_offload, loss_parallel=self.loss_parallel,
+                                    schedule=self.schedule, stages_per_rank=self.stages_per_rank,
+                                    microbatches=self.microbatches)
 
     def _model_problems(self, cfg: Any, world_size: int, global_batch: Any) -> list[Problem]:
         d_ff = getattr(cfg, "d_ff", None) or 4 * cfg.d_model
@@ -255,21 +214,11 @@ class Parallel:
         if self.world_size != world_size:
             out.append(("world-size", f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} "
                         f"must equal the world size {world_size}"))
-        # What tensor parallelism splits (kernels.model.gpt.GPT.tp_sizes): heads and d_ff in every block,
-        # the vocab in the token embedding and the LM head, the positions in the position table.
-        split = [("tp-heads", "heads", cfg.heads, ""), ("tp-d-model", "d_model", cfg.d_model, ""),
-                 ("tp-d-ff", "d_ff", d_ff, ""),
-                 ("tp-vocab", "vocab", getattr(cfg, "vocab", None),
-                  ": the token embedding and the LM head are split over the vocab"),
-                 ("tp-seq-len", "seq_len", getattr(cfg, "seq_len", None),
-                  ": the position table is split over positions" + (", and sequence parallel splits the "
-                                                                    "sequence" if self.sequence_parallel else ""))]
-        for rule, name, value, why in split:
-            if value is not None and value % self.tp:
-                out.append((rule, f"{name}={value} must be divisible by tp={self.tp}{why}"))
-        if cfg.layers % self.num_stages:
-            out.append(("pp-layers", f"layers={cfg.layers} must be divisible by the number of stages "
-                        f"pp*stages_per_rank = {self.pp}*{self.num_stages_per_rank} = {self.num_stages}"))
+        # What tensor parallelism splits (kernels.model.gpt.GPT.tp_sizes); the ranks check the same.
+        sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "d_ff": d_ff, "vocab": getattr(cfg, "vocab", None),
+                 "seq_len": getattr(cfg, "seq_len", None)}
+        out += tp_split_problems(self.tp, sizes, self.sequence_parallel)
+        out += stage_split_problems(cfg.layers, self.num_stages)
         per_step = self.dp * self.num_microbatches
         # A global_batch that is no positive int is [positive-sizes], the Experiment's own rule.
         if config_rules.is_int(global_batch) and global_batch % per_step:
