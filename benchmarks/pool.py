@@ -77,7 +77,7 @@ def time_lab_start(n: int) -> float:
 def latency(n: int, calls: int) -> tuple[float, float, float]:
     """Median seconds of a no-op on every rank: lab, raw ipyparallel (stock pickle), raw with cloudpickle."""
     with lab.start(n=n, backend="gloo", activate=False) as cluster:
-        view = cluster._source.client[[r.engine_id for r in cluster.rank_map.ranks]]
+        view = cluster.client[[r.engine_id for r in cluster.rank_map.ranks]]
         paths = {"lab": lambda: cluster.run(noop), "raw": lambda: _with_stock_pickle(view.apply_sync, noop),
                  "raw_cloudpickle": lambda: view.apply_sync(noop)}
         for _ in range(10):  # warm every path (function canning, sockets)

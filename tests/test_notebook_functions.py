@@ -69,7 +69,7 @@ def test_a_pushed_value_is_passed_by_name_and_a_pushed_function_keeps_its_global
     assert cluster.pull("table", ranks=[2]) == {2: list(range(100))}
     total = notebook("total = lambda t: sum(t)")["total"]
     assert cluster.run(total, ipp.Reference("table")) == [4950] * 4
-    everyone = cluster._source.client[[r.engine_id for r in cluster.rank_map.ranks]]
+    everyone = cluster.client[[r.engine_id for r in cluster.rank_map.ranks]]
     everyone.execute("pushed_out = pushed_fn()", block=True)  # what a %%px cell does
     assert cluster.pull("pushed_out") == [2.0] * 4
 

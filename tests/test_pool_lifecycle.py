@@ -86,7 +86,7 @@ def test_threads_per_rank_are_set_and_oversubscription_is_warned():
 
 
 def test_controller_is_on_loopback_signed_and_its_files_are_private(cluster):
-    config = cluster._source.client._config
+    config = cluster.client._config
     assert config["interface"] == "tcp://127.0.0.1"
     assert config["key"] and config["signature_scheme"].startswith("hmac-")
     profile = Path(cluster._source.profile_dir)

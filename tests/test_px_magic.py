@@ -108,7 +108,7 @@ def test_a_rank_that_begins_the_cell_after_a_peer_failed_is_not_interrupted_and_
     # Rank 2 begins the cell 4 s late, as on a machine whose scheduler has not run it yet
     # when rank 3 fails: it is given time to begin and fail on its own in the all-reduce,
     # rather than be interrupted (here: be found deaf to SIGINT and killed) before its first line.
-    cluster._source.client[cluster.rank_map.ranks[2].engine_id].apply_async(busy_deaf_to_interrupts, 4.0)
+    cluster.client[cluster.rank_map.ranks[2].engine_id].apply_async(busy_deaf_to_interrupts, 4.0)
     with capture_output() as out, pytest.raises(lab.RankError) as caught:
         InteractiveShell.instance().run_cell_magic(
             "px", "", "print('before', rank)\nif rank == 3:\n    raise ValueError('rank 3 gives up')\n"

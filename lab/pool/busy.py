@@ -9,7 +9,7 @@ should simply run next, and the line says why it has not yet. An interrupt (Jupy
 stop button) ends the wait only; the run goes on.
 
 ``PoolOccupancy`` is the part of ``lab.pool.cluster.Cluster`` that knows which run holds the
-pool; ``lab.run.run_handle.RunHandle`` takes the pool for a started run and gives it back
+pool; ``lab.run.run_handle.RunHandle`` takes the pool (``hold``) for a started run and gives it back (``let_go``)
 when the run ends. Calls from the run's own thread (its training call) pass.
 """
 from __future__ import annotations
@@ -45,15 +45,16 @@ class PoolOccupancy:
         run = self._occupant
         return None if run is None or run.done else describe(run)
 
-    def _occupy(self, run: "RunHandle") -> None:
-        """``run`` holds the pool until ``_release(run)``."""
+    def hold(self, run: "RunHandle") -> None:
+        """``run`` holds the pool until ``let_go(run)``: calls from other threads wait for it meanwhile."""
         self._occupant = run
 
-    def _release(self, run: "RunHandle") -> None:
+    def let_go(self, run: "RunHandle") -> None:
+        """``run`` no longer holds the pool (nothing happens if another run holds it)."""
         if self._occupant is run:
             self._occupant = None
 
-    def _wait_until_free(self, wait: bool = True) -> None:
+    def wait_until_free(self, wait: bool = True) -> None:
         """Return once no started run holds the pool (at once from that run's own thread).
 
         With ``wait=False`` raise ``PoolBusyError`` instead of waiting.

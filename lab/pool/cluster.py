@@ -18,8 +18,9 @@ from ipyparallel import AsyncResult
 
 from kernels.engine import runtime
 from kernels.contract.records import RankMap, RankStatus
-from lab.pool import cluster_render, launch, lifetime, px_magic
+from lab.pool import launch, lifetime, px_magic
 from lab.pool.busy import PoolOccupancy
+from lab.pool.cluster_status import StatusBoard
 from lab.pool.cluster_world import WorldKeeper
 from lab.errors import LabError, PoolStoppedError
 from lab.pool.failure_report import FailureReporter
@@ -29,10 +30,9 @@ from lab.pool.supervise import Outcome, wait_ranks
 
 if TYPE_CHECKING:
     from lab.pool.hang_report import HangWatch
-    from widgets import ClusterView
 
 
-class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
+class Cluster(WorldKeeper, FailureReporter, PoolOccupancy, StatusBoard):
     """A pool of ranks; use :func:`lab.start` or :func:`lab.connect` to make one."""
 
     network: Any = None  # the simulated hosts' network (lab.testing.hosts); None on a real pool
@@ -54,7 +54,7 @@ class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
         self._on_stop: list[Callable[[], None]] = []
         # Called with each call's per-rank futures as it is sent (lab.run.run_handle reads their data messages).
         self._submit_listeners: list[Callable[[dict[int, AsyncResult]], None]] = []
-        self._heard: dict[int, float] = {}  # rank -> wall clock of its last progress record (set by lab.run.run_handle)
+        self._heard: dict[int, float] = {}  # rank -> wall clock of its last progress record (heard_from)
         self._sent_code = SentCodeBook()  # the notebook code each call carried: a rank's frames name their cell
         self._finalizer = weakref.finalize(self, launch.stop_source, source)
         lifetime.stop_on_termination(self)  # SIGTERM/SIGHUP stop the pool as stop() does, then end the driver
@@ -94,35 +94,33 @@ class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
         """Every process the lab started for this pool (empty for an attached pool)."""
         return set(self._source.pids)
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a pool operation (start, world forming, engine replacement) may take before it is an error."""
+        return self._timeout
+
+    @property
+    def collective_timeout(self) -> float:
+        """Seconds a rank waits in one collective before torch.distributed gives up."""
+        return self._collective_timeout
+
+    @property
+    def client(self) -> Any:
+        """The connected ``ipyparallel.Client`` (each call's metadata carries what its ranks publish)."""
+        return self._source.client
+
+    def on_submit(self, listener: Callable[[dict[int, AsyncResult]], None]) -> None:
+        """Call ``listener(futures by rank)`` as each call is sent (a started run reads its ranks' records)."""
+        self._submit_listeners.append(listener)
+
+    def off_submit(self, listener: Callable[[dict[int, AsyncResult]], None]) -> None:
+        """Stop calling ``listener``."""
+        self._submit_listeners.remove(listener)
+
     def spares(self) -> int:
         """Spare engines started and warmed, ready to replace a rank whose engine dies (see ``lab.pool.standby``)."""
         self._standby.warm({r.engine_id for r in self._rank_map.ranks})
         return self._standby.ready
-
-    def status(self) -> list[RankStatus]:
-        """One row per rank: where it runs, what state it is in, and its resident memory."""
-        now = time.time()
-        return [RankStatus(r.rank, r.host, r.pid, r.device, r.backend, self._threads,
-                           *self._states.get(r.rank, ("idle", "")), rss_bytes=self._rss(r.pid),
-                           last_heard_s=now - self._heard[r.rank] if r.rank in self._heard else None)
-                for r in self._rank_map.ranks]
-
-    def view(self) -> "ClusterView":
-        """A live ClusterView of the ranks: it follows every call (busy, failed, dead, memory)."""
-        from widgets import ClusterView
-
-        view = ClusterView(self.status())
-        self._watchers.append(view.update)
-        return view
-
-    def _rss(self, pid: int) -> int | None:
-        return launch.resident_bytes(pid) if pid in self._local_pids else None
-
-    def _notify(self) -> None:
-        if self._watchers:
-            rows = self.status()
-            for update in self._watchers:
-                update(rows)
 
     # ---------------------------------------------------------------- running code
     def run(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
@@ -144,7 +142,7 @@ class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
         While a run started with ``.start()`` trains, the call waits for it, saying so
         (``lab.pool.busy``); with ``wait=False`` it raises :class:`PoolBusyError` instead.
         """
-        self._wait_until_free(wait)
+        self.wait_until_free(wait)
         targets = self._targets(ranks)
         # An engine that died between calls (with its whole mpiexec, under MPI) fails the call like a death in one.
         died_idle = {r for r in range(self.world_size) if self._is_dead(r)}
@@ -204,14 +202,14 @@ class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
 
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None, *, wait: bool = True) -> None:
         """Bind the names in ``namespace`` on the ranks (visible to ``%%px`` cells); ``wait`` as for ``run``."""
-        self._wait_until_free(wait)
+        self.wait_until_free(wait)
         targets = self._targets(ranks)
         self._sent_code.remember(namespace)
         self._source.client[[self._engine_of(r) for r in targets]].push(namespace, block=True)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None, *, wait: bool = True) -> Any:
         """Fetch a name's value from each rank: a list by rank, or a dict for ``ranks``; ``wait`` as for ``run``."""
-        self._wait_until_free(wait)
+        self.wait_until_free(wait)
         targets = self._targets(ranks)
         values = self._source.client[[self._engine_of(r) for r in targets]].pull(name, block=True)
         return list(values) if ranks is None else dict(zip(targets, values))
@@ -260,13 +258,6 @@ class Cluster(WorldKeeper, FailureReporter, PoolOccupancy):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    # -------------------------------------------------------------- presentation
-    def __repr__(self) -> str:
-        return "<Cluster: stopped>" if self._stopped else cluster_render.text(self)
-
-    def _repr_html_(self) -> str:
-        return "<p>Cluster: stopped</p>" if self._stopped else cluster_render.html(self)
 
     # ------------------------------------------------------------------ internals
     def _is_dead(self, rank: int) -> bool:

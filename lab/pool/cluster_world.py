@@ -152,7 +152,7 @@ class WorldKeeper:
             self._let_peers_fail(out)
         interrupted = tuple(sorted(out.pending))
         if out.pending:
-            self._signal_ranks(set(out.pending), signal.SIGINT)
+            self.signal_ranks(set(out.pending), signal.SIGINT)
             wait_ranks({}, self._is_dead, deadline=time.monotonic() + INTERRUPT_S, stop_on_failure=False, outcome=out)
         killed = tuple(sorted(out.pending)) if self._source.owned else ()
         if killed:
@@ -239,7 +239,9 @@ class WorldKeeper:
         self._standby.refill()
         return replaced
 
-    def _signal_ranks(self, ranks: set[int], sig: int) -> None:
+    def signal_ranks(self, ranks: set[int], sig: int) -> None:
+        """Send ``sig`` to the engines of ``ranks``: by PID on this host (only to processes the lab started), else
+        through ipyparallel's engine nanny. A started run's stop (``kernels.watch.progress.STOP_SIGNAL``) uses it."""
         local = socket.gethostname()
         mine = {r for r in ranks if self._rank_map.ranks[r].host == local and self._source.owned}
         launch.signal_pids({self._rank_map.ranks[r].pid for r in mine}, self._source.pids, sig)

@@ -84,7 +84,7 @@ class FailureReporter:
         paths = {r: stack_report.dump_path(pids[r], directory) for r in ranks
                  if directory and pids[r] in self._local_pids}
         sizes = {r: _size(path) for r, path in paths.items()}
-        self._signal_ranks(ranks, stack_report.DUMP_SIGNAL)
+        self.signal_ranks(ranks, stack_report.DUMP_SIGNAL)
         deadline = time.monotonic() + DUMP_WAIT_S
         while any(_size(path) <= sizes[r] for r, path in paths.items()) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -175,7 +175,7 @@ class HangWatch:
         self.paths = {r.rank: log_path(r.pid, directory) for r in cluster.rank_map.ranks
                       if directory and r.pid in cluster._local_pids}
         self.world_size = cluster.world_size
-        self._client = cluster._source.client
+        self._client = cluster.client
         self._metadata: dict[int, Any] = {}
         self._baseline = self._counters()
         self._last: dict[int, int] = dict(self._baseline)

@@ -109,13 +109,13 @@ class ParameterServer:
         return {"run": self.run_config().to_dict(), "servers": self.servers, "mode": self.mode,
                 "max_staleness": self.max_staleness, "faults": list(fault_dicts(self.faults)),
                 "rpc": {"master_addr": bind[0], "port": port, "bind_addrs": bind,
-                        "timeout_s": self.cluster._collective_timeout}}
+                        "timeout_s": self.cluster.collective_timeout}}
 
     def run(self, *, timeout: float | None = None) -> PSResult:
         """Train on every rank; raises ``lab.RankError`` naming the rank that failed, ``lab.HangError`` after
         ``hang_after`` seconds without progress."""
         bind = listen_addresses(self.cluster.rank_map)
-        port = self.cluster.run(open_rpc_store, bind[0], self.cluster.world_size, self.cluster._timeout,
+        port = self.cluster.run(open_rpc_store, bind[0], self.cluster.world_size, self.cluster.timeout,
                                 ranks=[0])[0]
         began = time.time()
         per_rank = self.cluster.run(ps_rank, self.rank_config(port), timeout=timeout,

@@ -57,5 +57,5 @@ class PSHandle:
     def stop(self, wait: bool = True) -> "PSResult | None":
         """Let no worker start another step; with ``wait``, return the result of the steps that ran."""
         if not self.done:
-            self.server.cluster._signal_ranks({0}, STOP_SIGNAL)
+            self.server.cluster.signal_ranks({0}, STOP_SIGNAL)
         return self.wait() if wait else None

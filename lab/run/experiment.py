@@ -44,7 +44,6 @@ costs what it did):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 import warnings
@@ -61,11 +60,9 @@ from lab.run import run_logs, run_views
 from lab.pool.cluster import Cluster
 from lab.run.faults import fault_dicts, fault_problems, hang_after_problems
 from lab.pool.hang_report import HangWatch
-from lab.measure.memory_and_comm import comm_records, memory_records
 from lab.run.parallel import Parallel, ParallelConfigError
 from lab.run.run_handle import RunHandle
 from lab.run.run_result import RunResult
-from lab.measure.timeline import bubble_from_records, planned_orders
 
 
 class LayoutWarning(UserWarning):
@@ -152,9 +149,9 @@ class Experiment:
         """
         if not progress and log_to is None:
             cfg = self._resumed(self.config(return_params=return_params))
-            return self._result(self.cluster.run(train_rank, cfg, timeout=timeout, wait=wait,
-                                                 hang_watch=HangWatch(self.cluster, self.hang_after)),
-                                cfg, return_params)
+            per_rank = self.cluster.run(train_rank, cfg, timeout=timeout, wait=wait,
+                                        hang_watch=HangWatch(self.cluster, self.hang_after))
+            return self.result_from_ranks(per_rank, cfg, return_params)
         handle = self._handle(timeout, return_params, log_to)
         self._claim(handle, wait)
         with run_views.progress_bar(handle, show=progress):
@@ -175,7 +172,7 @@ class Experiment:
     def _claim(self, handle: RunHandle, wait: bool) -> None:
         """Wait until no started run holds the pool (``lab.pool.busy``); a refused or interrupted wait closes ``handle``."""
         try:
-            self.cluster._wait_until_free(wait)
+            self.cluster.wait_until_free(wait)
         except BaseException:
             handle._abandon()
             raise
@@ -189,16 +186,11 @@ class Experiment:
             handle.on_finish(logger.close)
         return handle
 
-    def _result(self, per_rank: list[dict[str, Any]], cfg: dict[str, Any], return_params: bool) -> RunResult:
-        """The RunResult of the ranks' records."""
-        found = measurements(per_rank, cfg, [r.host for r in self.cluster.rank_map.ranks])
-        return RunResult(
-            config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
-            step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
-            warnings=list(self.warnings) + found.pop("warnings"),
-            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
-            first_step=per_rank[0].get("first_step", 0),
-            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg["faults"]), **found)
+    def result_from_ranks(self, per_rank: list[dict[str, Any]], cfg: dict[str, Any],
+                          return_params: bool = False) -> RunResult:
+        """The RunResult of this experiment's ranks' records: its warnings first, the pool's hosts named."""
+        return RunResult.from_ranks(per_rank, cfg, hosts=[r.host for r in self.cluster.rank_map.ranks],
+                                    warnings=self.warnings, return_params=return_params)
 
     def reference(self, *, return_params: bool = False) -> RunResult:
         """The same training in this process: same init, same global batch per step, same AdamW."""
@@ -227,32 +219,3 @@ def _ranks_per_host(cluster: Any) -> list[int] | None:
         return None
     hosts = rank_map.hosts()
     return [len(hosts[r.host]) for r in rank_map.ranks]
-
-
-def measurements(per_rank: list[dict[str, Any]], cfg: dict[str, Any], hosts: list[str] | None = None) -> dict[str, Any]:
-    """RunResult's measured fields from the rank records, as JSON-plain data (so a saved run equals a live one).
-
-    Trace records give events, clock, planned and the bubble; measure records give memory
-    and comm rows with their predictions; both may add warnings (oversubscribed
-    real compute, synthetic actions whose real compute overran the target).
-    """
-    traces = [r["trace"] for r in per_rank if r.get("trace")]
-    probes = [r["measure"] for r in per_rank if r.get("measure")]
-    out: dict[str, Any] = {"events": [], "clock": [], "planned": [], "bubble": {}, "memory_records": [],
-                           "comm_records": [],
-                           "warnings": []}
-    if traces:
-        out["events"] = [e for t in traces for e in t["events"]]
-        out["clock"] = [t["clock"] for t in traces]
-        out["planned"] = planned_orders(traces)
-        out["bubble"] = bubble_from_records(traces).to_dict()
-        out["memory_timeline"] = [m for t in traces for m in t.get("memory", [])]  # kernels.measure.memory_timeline samples
-        out["warnings"] = sorted({w for t in traces for w in t["warnings"]})
-        overruns = sum((t["synthetic_cost"] or {}).get("overruns", 0) for t in traces)
-        if overruns:
-            out["warnings"].append(f"synthetic cost: {overruns} actions' real compute overran their target, "
-                                   f"so those took longer than synthetic_forward_s implies")
-    if probes:
-        out["memory_records"] = [m.to_dict() for rec in probes for m in memory_records(rec)]
-        out["comm_records"] = [c.to_dict() for rec in probes for c in comm_records(rec, cfg, hosts)]
-    return json.loads(json.dumps(out))  # tuples become lists, as after a JSON round trip

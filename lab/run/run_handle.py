@@ -69,7 +69,7 @@ class RunHandle:
         self._monitor.start()
         if background:
             self._thread = threading.Thread(target=self._train, name="lab-run", daemon=True)
-            self.experiment.cluster._occupy(self)  # until it ends, other cells wait for it (lab.pool.busy)
+            self.experiment.cluster.hold(self)  # until it ends, other cells wait for it (lab.pool.busy)
             self._thread.start()
         else:
             self._thread = threading.current_thread()
@@ -83,28 +83,28 @@ class RunHandle:
 
     def _train(self) -> None:
         cluster, result = self.experiment.cluster, None
-        cluster._submit_listeners.append(self._submitted)
+        cluster.on_submit(self._submitted)
         try:
             per_rank = cluster.run(train_rank, self.config, timeout=self._timeout,
                                    hang_watch=HangWatch(cluster, self.experiment.hang_after))
-            result = self.experiment._result(per_rank, self.config, self._return_params)
+            result = self.experiment.result_from_ranks(per_rank, self.config, self._return_params)
         except BaseException as error:  # raised again by wait(), on the caller's thread
             self._error = error
         finally:
-            cluster._submit_listeners.remove(self._submitted)
+            cluster.off_submit(self._submitted)
             self._call_ended.set()
             self._monitor.join()
             if result is not None:
                 self._result = self._with_progress(result)
             for callback in self._on_finish:
                 callback()
-            cluster._release(self)
+            cluster.let_go(self)
             self._finished.set()
 
     def _submitted(self, pending: dict[int, Any]) -> None:
         if threading.current_thread() is not self._thread:
             return  # another cell's call (a subset of ranks, say): its records are not this run's
-        self._metadata = call_metadata(self.experiment.cluster._source.client, pending)
+        self._metadata = call_metadata(self.experiment.cluster.client, pending)
         self._futures = list(pending.values())
 
     def _watch(self) -> None:
@@ -135,7 +135,7 @@ class RunHandle:
                 for record in new:
                     self._records[(record.rank, record.step)] = record
                     self._heard[record.rank] = now
-            self.experiment.cluster._heard.update(self._heard)  # cluster.view() shows the same freshness
+            self.experiment.cluster.heard_from(self._heard)  # cluster.view() shows the same freshness
             for follow in list(self._followers):
                 try:
                     follow(sorted(new, key=lambda r: (r.step, r.rank)))
@@ -144,7 +144,7 @@ class RunHandle:
                     warnings.warn(f"stopped passing progress to {follow!r}: {error!r}", RuntimeWarning, stacklevel=1)
         if self._stop_requested and not self._stop_sent and len(self._armed) == self.world_size:
             self._stop_sent = True
-            self.experiment.cluster._signal_ranks(set(range(self.world_size)), STOP_SIGNAL)
+            self.experiment.cluster.signal_ranks(set(range(self.world_size)), STOP_SIGNAL)
 
     def _with_progress(self, result: "RunResult") -> "RunResult":
         done = [r.to_dict() for r in self.history]

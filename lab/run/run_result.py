@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.measure import timeline as _timeline
+from lab.measure.memory_and_comm import comm_records, memory_records
 
 
 class NotRecordedError(ValueError):
@@ -50,6 +51,23 @@ class RunResult:
     progress: list[dict[str, Any]] = field(default_factory=list)
     stopped_at: int | None = None
     first_step: int = 0  # steps done before this run (resumed from a checkpoint at that step)
+
+    @classmethod
+    def from_ranks(cls, per_rank: list[dict[str, Any]], cfg: dict[str, Any], *, hosts: list[str] | None = None,
+                   warnings: list[str] | tuple[str, ...] = (), return_params: bool = False) -> "RunResult":
+        """The result of a run from what each rank returned (``kernels.train.entry.train_rank``'s records).
+
+        ``hosts`` (rank -> host name) lets the comm rows say which bytes crossed hosts;
+        ``warnings`` are the driver's own, put before those the records give.
+        """
+        found = measured_fields(per_rank, cfg, hosts)
+        return cls(
+            config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0].get("grad_norms", [])),
+            step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
+            warnings=list(warnings) + found.pop("warnings"),
+            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
+            first_step=per_rank[0].get("first_step", 0),
+            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg.get("faults", [])), **found)
 
     @property
     def steps_ran(self) -> list[int]:
@@ -193,3 +211,32 @@ class CommTable(list):
         head = "".join(f"<th>{html.escape(name)}</th>" for name, _, _ in _COLUMNS)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self._cells())
         return f"<table class='cl-comm-table'><tr>{head}</tr>{body}</table>"
+
+
+def measured_fields(per_rank: list[dict[str, Any]], cfg: dict[str, Any], hosts: list[str] | None = None) -> dict[str, Any]:
+    """RunResult's measured fields from the rank records, as JSON-plain data (so a saved run equals a live one).
+
+    Trace records give events, clock, planned and the bubble; measure records give memory
+    and comm rows with their predictions; both may add warnings (oversubscribed
+    real compute, synthetic actions whose real compute overran the target).
+    """
+    traces = [r["trace"] for r in per_rank if r.get("trace")]
+    probes = [r["measure"] for r in per_rank if r.get("measure")]
+    out: dict[str, Any] = {"events": [], "clock": [], "planned": [], "bubble": {}, "memory_records": [],
+                           "comm_records": [],
+                           "warnings": []}
+    if traces:
+        out["events"] = [e for t in traces for e in t["events"]]
+        out["clock"] = [t["clock"] for t in traces]
+        out["planned"] = _timeline.planned_orders(traces)
+        out["bubble"] = _timeline.bubble_from_records(traces).to_dict()
+        out["memory_timeline"] = [m for t in traces for m in t.get("memory", [])]  # kernels.measure.memory_timeline samples
+        out["warnings"] = sorted({w for t in traces for w in t["warnings"]})
+        overruns = sum((t["synthetic_cost"] or {}).get("overruns", 0) for t in traces)
+        if overruns:
+            out["warnings"].append(f"synthetic cost: {overruns} actions' real compute overran their target, "
+                                   f"so those took longer than synthetic_forward_s implies")
+    if probes:
+        out["memory_records"] = [m.to_dict() for rec in probes for m in memory_records(rec)]
+        out["comm_records"] = [c.to_dict() for rec in probes for c in comm_records(rec, cfg, hosts)]
+    return json.loads(json.dumps(out))  # tuples become lists, as after a JSON round trip

@@ -45,7 +45,7 @@ from kernels.model.gpt import GPTConfig
 from kernels.contract.run_config import RunConfig
 from lab.pool.cluster import Cluster
 from lab.errors import LabError, RankError
-from lab.run.experiment import Experiment, measurements
+from lab.run.experiment import Experiment
 from lab.run.parallel import Parallel, ParallelConfigError
 from lab.run.run_result import RunResult
 
@@ -193,13 +193,7 @@ class Training:
                            "stepped from elsewhere")
         self.losses += per_rank[0]["losses"]
         self.steps_done += n
-        found = measurements(per_rank, cfg)
-        return RunResult(
-            config=cfg, losses=list(per_rank[0]["losses"]), grad_norms=list(per_rank[0]["grad_norms"]),
-            step_times=[list(r["step_times"]) for r in per_rank], layout=[r["layout"] for r in per_rank],
-            warnings=list(self.experiment.warnings) + found.pop("warnings"),
-            params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
-            first_step=first, **found)
+        return self.experiment.result_from_ranks(per_rank, cfg, return_params)
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None, wait: bool = True,
               **kwargs: Any) -> list[Any]:
