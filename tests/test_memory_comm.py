@@ -2,7 +2,7 @@
 
 On the 4-rank gloo pool, the tiny GPT (2 layers, d_model 32, 4 heads, vocab 64,
 seq_len 16, d_ff 64: Ψ = 21,760 fp32 parameters in 37 tensors), global batch 8, 3
-AdamW steps with the probes on the last one (``kernels.train.measured_run.measure_rank``).
+AdamW steps with the probes on the last one (``kernels.train.entry.measure_rank``).
 
 What the formulas are, for the dtypes held (fp32: params 4Ψ, grads 4Ψ, AdamW K=8, plain SGD K=0):
 

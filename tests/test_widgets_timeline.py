@@ -70,7 +70,7 @@ def plans(schedule: str, pp: int, m: int) -> dict[int, list[list]]:
 
 
 def memory_rank_record(rank: int, dp: int = 4, cuda: int | None = None) -> dict:
-    """kernels.train.measured_run.measure_rank's shape for ZeRO-3 on dp ranks: the layout and two memory snapshots."""
+    """kernels.train.entry.measure_rank's shape for ZeRO-3 on dp ranks: the layout and two memory snapshots."""
     params = {"tok_emb.weight": [32, 16], "blocks.0.attn.q.weight": [16, 16], "blocks.0.attn.q.bias": [16],
               "lm_head.weight": [32, 16]}
     record = {"rank": rank, "strategy": "fsdp", "zero": 3, "dims": {"dp": dp, "tp": 1, "pp": 1},

@@ -18,15 +18,18 @@ its stages'); with measure, measure (``kernels.train.measured_run``'s record); w
 only), trace (``kernels.train.step_hooks.PipelineTracer``'s record); with watch_collectives or
 faults, waits (``kernels.watch.collective_log.StepWait`` dicts, from ``kernels.watch.rank_watch``).
 
-Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference)::
+Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference;
+with ``--measure``, rank 0's memory and communication in the last step)::
 
     torchrun --nproc-per-node 4 -m kernels.train.entry --dp 2 --tp 2 --zero 3
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 4 --zero 3 --measure
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
+import json
 from typing import Any
 
 import torch
@@ -110,6 +113,16 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         gc.collect()
 
 
+def measure_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train the layout ``cfg`` names for ``cfg["steps"]`` (default 2) steps, probe the last; returns the record.
+
+    ``train_rank`` with ``measure`` on: the record is ``kernels.train.measured_run``'s.
+    """
+    run = {**cfg, "measure": True, "trace": False, "return_params": False, "record_grad_norm": False,
+           "steps": max(1, int(cfg.get("steps", 2)))}
+    return train_rank(run)["measure"]
+
+
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     """The torchrun CLI's RunConfig."""
     p = argparse.ArgumentParser(description="Train the tiny GPT under one layout (run under torchrun).")
@@ -124,7 +137,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--fsdp-strategy", choices=tuple(layout_rules.FSDP_STRATEGY_ZERO))
     p.add_argument("--mixed-precision", choices=("bf16",))
     p.add_argument("--synthetic-forward-s", type=float, help="with --trace: pad every action to this cost")
-    for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload", "compile", "trace"):
+    p.add_argument("--checkpoint-dir", help="save after the last step (kernels.train.run_checkpoints)")
+    p.add_argument("--resume-from", help="a checkpoint directory or step to resume from, under any layout")
+    for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload", "compile", "trace",
+                 "measure"):
         p.add_argument(f"--{flag}", action="store_true")
     a = vars(p.parse_args(argv))
     model = {k: a.pop(k) for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len")}
@@ -142,10 +158,13 @@ def main(argv: list[str] | None = None) -> None:
             strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())[1]
             print(strategy.describe(), flush=True)
         out = train_rank(run.to_dict())
+        ref = train_reference(run)["losses"]  # on every rank: a resume loads the checkpoint collectively (DCP)
         if dist.get_rank() == 0:
-            ref = train_reference(run)["losses"]
-            for step, (mine, theirs) in enumerate(zip(out["losses"], ref)):
-                print(f"step {step}: loss {mine:.6f}  reference {theirs:.6f}  ({out['step_times'][step]*1e3:.1f} ms)")
+            for i, (mine, theirs) in enumerate(zip(out["losses"], ref)):
+                print(f"step {out.get('first_step', 0) + i}: loss {mine:.6f}  reference {theirs:.6f}  "
+                      f"({out['step_times'][i]*1e3:.1f} ms)")
+            if run.measure:  # rank 0's memory and communication in the last step (kernels.train.measured_run)
+                print(json.dumps({k: out["measure"][k] for k in ("strategy", "memory", "comm")}, indent=1))
     finally:
         dist.destroy_process_group()
 

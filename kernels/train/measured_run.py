@@ -1,10 +1,10 @@
-"""Measure memory and communication of a layout: ``measure_rank(cfg) -> record``.
+"""The probes that measure memory and communication of a layout's step (``kernels.train.entry.measure_rank``).
 
 Algorithm: the layout is built and trained exactly as ``kernels.train.entry.train_rank``
 builds and trains it (TP -> activation checkpointing -> FSDP2/DDP/ZeRO-1,
 Rajbhandari et al., 2020; Zhao et al., 2023); the probes of ``kernels.measure.memory`` and
 ``kernels.watch.comm`` watch its last step (the steady state: optimizer state exists and
-DDP has rebuilt its buckets). ``measure_rank`` is ``train_rank`` with
+DDP has rebuilt its buckets). ``kernels.train.entry.measure_rank`` is ``train_rank`` with
 ``cfg["measure"]`` on; the probes are the ``StepProbe``/``PipelineProbe`` below,
 which the training loop calls at fixed points of the step (``kernels.train.step_hooks``):
 
@@ -32,16 +32,13 @@ Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
 "step_seconds", "loss", "device", "microbatches", "optimizer"}``; with pp also ``"stage_ids",
 "num_stages", "micro_batch"`` (memory: ``at_rest`` only).
 
-Run alone (ZeRO-3 on 4 ranks, prints rank 0's record)::
+Run alone through the rank entry point (ZeRO-3 on 4 ranks, prints rank 0's memory and comm)::
 
-    torchrun --nproc-per-node 4 -m kernels.train.measured_run --dp 4 --zero 3
-    torchrun --nproc-per-node 4 -m kernels.train.measured_run --dp 2 --pp 2
+    torchrun --nproc-per-node 4 -m kernels.train.entry --dp 4 --zero 3 --measure
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import time
 from typing import Any, Iterator
 
@@ -170,31 +167,3 @@ def measure_record(layout: dict[str, Any], dims: Any, device: torch.device, prob
     """The record (module docstring): this rank's layout record, the mesh sizes and what ``probe`` measured."""
     return {**layout, "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate}, "device": str(device),
             **extra, **probe.rows()}
-
-
-def measure_rank(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Train the layout ``cfg`` names for ``cfg["steps"]`` (default 2) steps, probe the last; returns the record."""
-    from kernels.train.entry import train_rank  # kernels.train.entry imports this module lazily too
-    run = {**cfg, "measure": True, "trace": False, "return_params": False, "record_grad_norm": False,
-           "steps": max(1, int(cfg.get("steps", 2)))}
-    return train_rank(run)["measure"]
-
-
-def _main() -> None:
-    p = argparse.ArgumentParser(description="Measure memory and communication of one layout (torchrun).")
-    for name, default in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0), ("steps", 2), ("microbatches", 0)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    a = vars(p.parse_args())
-    cfg = {"model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64},
-           "global_batch": 8, **a}
-    dist.init_process_group("gloo")
-    try:
-        out = measure_rank(cfg)
-        if dist.get_rank() == 0:
-            print(json.dumps({k: out[k] for k in ("strategy", "memory", "comm", "comm_debug_counts")}, indent=1))
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _main()

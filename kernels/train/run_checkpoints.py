@@ -7,14 +7,14 @@ the step count: a run resumed at step k feeds batch k next, as the uninterrupted
 did. With the model, the AdamW state (step counts included) and each rank's RNG state
 restored (``kernels.checkpoint.save_load``), the run goes on bit for bit under the same layout.
 
-Run alone (trains 2 steps with a save, resumes for 2 more, compares with 4 in one go)::
+Run alone through the rank entry point, which sits above this module (2 steps under DP with a
+save, then on to step 4 under TP from it, beside the one-process reference)::
 
-    torchrun --nproc-per-node 2 -m kernels.train.run_checkpoints
+    torchrun --nproc-per-node 2 -m kernels.train.entry --dp 2 --steps 2 --checkpoint-dir /tmp/ckpt
+    torchrun --nproc-per-node 2 -m kernels.train.entry --tp 2 --steps 4 --resume-from /tmp/ckpt
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -104,21 +104,3 @@ def settle_ddp_buckets(step_fn, batches: BatchStream, optimizer) -> None:
     step_fn(inputs, targets, StepHooks(1))
     optimizer.zero_grad(set_to_none=True)
 
-
-def _demo() -> None:
-    from kernels.train.entry import train_rank
-
-    dist.init_process_group("gloo")
-    root = os.environ.get("CKPT_DIR") or tempfile.mkdtemp(prefix="run-checkpoints-")
-    model = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16}
-    whole = train_rank(RunConfig(model=model, dp=dist.get_world_size(), steps=4).to_dict())
-    train_rank(RunConfig(model=model, dp=dist.get_world_size(), steps=2, checkpoint_dir=root).to_dict())
-    rest = train_rank(RunConfig(model=model, tp=dist.get_world_size(), steps=4,
-                                resume_from=root).to_dict())
-    if dist.get_rank() == 0:
-        print("uninterrupted:", whole["losses"][2:], "\nresumed (DP -> TP):", rest["losses"])
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _demo()

@@ -1,6 +1,6 @@
 """Measured memory and communication beside their predictions (issue "Measured, not drawn").
 
-The ranks run ``kernels.train.measured_run.measure_rank`` (or ``lab.Experiment(..., measure=True)``,
+The ranks run ``kernels.train.entry.measure_rank`` (or ``lab.Experiment(..., measure=True)``,
 the same probes on the run's last step) and return plain dicts; this module turns
 each into ``MemoryRecord``s and ``CommRecord``s with two predictions beside every
 measured value:
@@ -42,7 +42,7 @@ from typing import Any
 
 from kernels.contract import activation_rules
 from kernels.contract.layout_rules import MESH_AXES
-from kernels.train.measured_run import measure_rank
+from kernels.train.entry import measure_rank
 from kernels.contract.records import CommRecord, MemoryRecord
 from lab.measure import host_traffic
 from lab.planning.plan_math import busbw_factor, zero_memory
