@@ -25,25 +25,20 @@ reads either.
 - Completeness: every rank writes under ``<path>.partial``; once DCP's collective finish
   has written the global metadata, rank 0 writes ``meta.json`` and renames the directory
   to ``path``. A save killed before that leaves ``path`` absent (``kernels.checkpoint.files``).
-- Asynchronous save (``AsyncSaver``): ``dcp.async_save`` copies the state to CPU memory
-  (into the buffers of the run's first save: ``kernels.checkpoint.staging_buffers``) and writes it
-  from a background thread over a separate gloo group; rank 0 renames when its write
-  (which ends after everyone's) is done. DCP's plan cache is on: the saves of one run
-  after the first skip gathering and checking the plans again.
+- Asynchronous save: ``kernels.checkpoint.async_save``.
 
-Run alone (saves under DP 2, loads under TP 2, checks the weights)::
+Run alone through the rank entry point (saves under DP 2, resumes under TP 2)::
 
-    torchrun --nproc-per-node 2 -m kernels.checkpoint.save_load
+    torchrun --nproc-per-node 2 -m kernels.train.entry --dp 2 --steps 2 --checkpoint-dir /tmp/ckpt
+    torchrun --nproc-per-node 2 -m kernels.train.entry --tp 2 --steps 4 --resume-from /tmp/ckpt
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from kernels.checkpoint.files import META_NAME, PARTIAL_SUFFIX, CheckpointMissingError, check_against, tensor_shapes
 from kernels.parallel.ddp import unwrap
-from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SETTINGS_HEAD = "param_groups."
@@ -116,7 +109,8 @@ def shared_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
     return shared or None
 
 
-def _payload(model: nn.Module, optimizer, rank: int, optimizer_settings: bool = True) -> dict[str, Any]:
+def checkpoint_payload(model: nn.Module, optimizer, rank: int, optimizer_settings: bool = True) -> dict[str, Any]:
+    """What DCP writes for this rank: the logical model and optimizer state, the shared settings once, its RNG."""
     model_sd, optim_sd, _ = logical_state(model, optimizer)
     settings = _settings_of(optim_sd)
     payload = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k not in settings},
@@ -131,7 +125,7 @@ def _payload(model: nn.Module, optimizer, rank: int, optimizer_settings: bool = 
     return payload
 
 
-def _finalize(partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
+def finalize_save(partial: Path, final: Path, meta: dict[str, Any], began: float) -> None:
     """Rank 0, after every rank's write: meta last, then the final name (replacing an older save of that step)."""
     meta = {**meta, "saved_at": time.time(), "save_seconds": time.perf_counter() - began}
     (partial / META_NAME).write_text(json.dumps(meta, indent=1, sort_keys=True))
@@ -155,88 +149,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, meta: dict[str, Any]
     final = Path(path)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     rank, began = dist.get_rank(process_group), time.perf_counter()
-    dcp.save(_payload(model, optimizer, dist.get_rank(), optimizer_settings), checkpoint_id=str(partial),
+    dcp.save(checkpoint_payload(model, optimizer, dist.get_rank(), optimizer_settings), checkpoint_id=str(partial),
              process_group=process_group)
     if rank == 0:  # dcp.save returned: its collective finish wrote .metadata after every rank's files
-        _finalize(partial, final, meta, began)
+        finalize_save(partial, final, meta, began)
     dist.barrier(group=process_group)  # nobody goes on (or loads) before the checkpoint carries its name
-
-
-class _CachedPlans(DefaultSavePlanner):
-    """DCP's default planner with its plan cache on, under a key of its own.
-
-    DCP caches the save plans (and skips gathering the unchanged ones) under the planner's
-    key, by default its class name, process-wide: one key per saver keeps a later run of
-    another layout on the same warm engine from merging with this one's plans.
-    """
-
-    def __init__(self, key: str) -> None:
-        super().__init__(enable_plan_caching=True)
-        self._cached_plans_key = key
-
-
-class AsyncSaver:
-    """``checkpoint_async=True``: each save is staged to CPU memory now and written in the background.
-
-    One save is in flight at a time (the next waits for it, so it may copy into the same
-    staging buffers); ``wait()`` finishes the last.
-    The background writes use their own gloo group, so they never interleave with the
-    training's collectives on the default group.
-    """
-
-    def __init__(self, ranks: list[int] | None = None) -> None:
-        # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
-        self.group = dist.new_group(ranks, backend="gloo")
-        # Every save of one run has the same keys and shards: after the first, DCP reuses its plans,
-        # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
-        self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
-        self.stager = ReusedStagingBuffers()
-        self.pending: Future | None = None
-
-    def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
-        """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
-        self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
-        final, began = Path(path), time.perf_counter()
-        partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        future = dcp.async_save(_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
-                                process_group=self.group, planner=self.planner, async_stager=self.stager)
-        meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
-        if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
-            named: Future = Future()
-            future.add_done_callback(lambda f: self._finalize(f, named, partial, final, meta, began))
-            future = named
-        self.pending = future
-
-    @staticmethod
-    def _finalize(written: Future, named: Future, partial: Path, final: Path, meta: dict[str, Any],
-                  began: float) -> None:
-        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; ``named`` carries any error."""
-        try:
-            written.result()
-            _finalize(partial, final, meta, began)
-            named.set_result(None)
-        except BaseException as error:  # handed on whole to whoever waits on ``named``
-            named.set_exception(error)
-
-    def _finish_local(self, barrier: bool = False) -> None:
-        """Wait for this rank's save in flight (raising its error); with ``barrier``, for every rank's too."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            try:
-                pending.result()
-            finally:  # every rank meets here, a failed one too, before its error goes up
-                if barrier:
-                    dist.barrier(group=self.group)
-
-    def wait(self) -> None:
-        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to see it named."""
-        self._finish_local(barrier=True)
-
-    def close(self) -> None:
-        """Finish the last save, free the staging buffers and destroy the group."""
-        self.wait()
-        self.stager.close()
-        dist.destroy_process_group(self.group)
 
 
 def _expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
@@ -329,27 +246,3 @@ def _check_weights(path: str, full: dict[str, torch.Tensor], expected: dict[str,
     if missing:
         raise CheckpointMissingError(f"weights {path} lack {', '.join(missing[:3])}")
 
-
-def _demo() -> None:
-    """DP 2 saves, TP 2 loads: the gathered weights must be equal."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from kernels.model.gpt import GPTConfig, build_gpt
-    from kernels.parallel.fsdp import full_parameters
-    from kernels.parallel.tensor_parallel import apply_tp
-
-    dist.init_process_group("gloo")
-    cfg = GPTConfig(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
-    path = os.environ.get("CKPT", "/tmp/kernels-checkpoint-demo/step_000000")
-    saved = build_gpt(cfg)
-    save_checkpoint(path, saved, torch.optim.AdamW(saved.parameters()), {"step": 0})
-    loaded = build_gpt(GPTConfig(**{**cfg.__dict__, "seed": 1}))
-    apply_tp(loaded, init_device_mesh("cpu", (dist.get_world_size(),)))
-    load_checkpoint(path, loaded, torch.optim.AdamW(loaded.parameters()))
-    same = all(torch.equal(a, b) for a, b in zip(full_parameters(saved).values(), full_parameters(loaded).values()))
-    print(f"rank {dist.get_rank()}: weights equal after DP -> TP: {same}")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _demo()

@@ -11,7 +11,7 @@ local shards) and replaces its plain values (settings, RNG state). A save whose 
 shapes differ from the first is deep-copied again.
 
 The buffers are reused, so a save may only be staged once the previous one is written;
-``kernels.checkpoint.save_load.AsyncSaver`` keeps one save in flight for that reason.
+``kernels.checkpoint.async_save.AsyncSaver`` keeps one save in flight for that reason.
 """
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from kernels.engine import runtime
-from kernels.checkpoint.save_load import AsyncSaver, load_checkpoint, save_checkpoint
+from kernels.checkpoint.async_save import AsyncSaver
+from kernels.checkpoint.save_load import load_checkpoint, save_checkpoint
 from kernels.checkpoint.files import read_meta, step_dir
 from kernels.parallel.mesh import dp_group
 from kernels.train.run_build import RankBuild

@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kernels.watch.comm import _DIST_OPS, _P2P, CommMeter, route_ddp_through_python, unmetered
+from kernels.watch.comm import CommMeter, route_ddp_through_python, unmetered
+from kernels.watch.dist_names import DIST_OPS, P2P
 from kernels.measure.memory import SavedActivations, snapshot
 
 
@@ -109,7 +110,7 @@ class _CollectiveMeter(CommMeter):
     """
 
     def _dist_names(self) -> list[str]:
-        return [n for n in _DIST_OPS if n not in _P2P and hasattr(dist, n)]
+        return [n for n in DIST_OPS if n not in P2P and hasattr(dist, n)]
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kernels.train.batches import BatchStream
 
-from kernels.checkpoint.save_load import AsyncSaver, load_checkpoint, load_weights, save_checkpoint
+from kernels.checkpoint.async_save import AsyncSaver
+from kernels.checkpoint.save_load import load_checkpoint, load_weights, save_checkpoint
 from kernels.checkpoint.files import WEIGHTS_SUFFIX, resolve, step_dir
 from kernels.parallel.strategy import Strategy
 from kernels.contract.run_config import RunConfig

@@ -16,20 +16,20 @@ Three ways in, one meter (``CommMeter``):
   waited for at once, so its time is the collective's own (this serialises FSDP2's
   overlap: it is a measuring mode); p2p ops are timed to their post only (waiting
   there could deadlock a send/recv pair).
-- DDP: its C++ reducer all-reduces buckets without Python; ``route_ddp_through_python``
-  registers torch's stock ``allreduce_hook`` (divide by n, all_reduce SUM: the same
-  maths), which calls ``dist.all_reduce`` on each flat bucket, so the patch sees it.
+- DDP: its C++ reducer all-reduces buckets without Python; ``route_ddp_through_python`` registers
+  torch's stock ``allreduce_hook`` (divide by n, all_reduce SUM: the same maths), which calls
+  ``dist.all_reduce`` on each flat bucket, so the patch sees it.
 - DTensor (TP) functional collectives (``_c10d_functional.*``): ``FuncolMeter``, a
   ``torch.distributed.tensor.debug.CommDebugMode`` that also records the payload and
   time of each functional collective (CommDebugMode itself only counts them). Its
   per-module tracker is left out (``_NoModuleTracker``): it fails inside pipeline stage
   calls and its hooks kept the step's modules alive.
 
-Rows (``CommMeter.rows``): one per (op, group size, source): ``{"op", "group_size", "count",
-"payload_bytes", "seconds", "source", "to"}`` (source "dist" or "funcol"; "to": payload by the
-global rank it goes to, counted as a ring counts it: a collective sends to the next rank of
-its group, a send to its peer); bandwidths and the intra/inter-host split are the driver's. After ``active()``: ``debug_counts`` (CommDebugMode's own counts, a check on
-the meter) and ``unmetered`` (collectives CommDebugMode saw that no wrapper did).
+Rows (``CommMeter.rows``), one per (op, group size, source): ``{"op", "group_size", "count",
+"payload_bytes", "seconds", "source", "to"}``; source is "dist" or "funcol", "to" the payload by
+the global rank it goes to, as a ring counts it (a collective: the next rank of its group; a
+send: its peer). Bandwidths and the intra/inter-host split are the driver's. After ``active()``:
+``debug_counts`` (CommDebugMode's own, a check on the meter) and ``unmetered`` (what no wrapper saw).
 
 Run alone (meters one all_reduce and one all_gather on 2 ranks)::
 
@@ -48,32 +48,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _sum_bytes(ts: Any) -> int:
-    return sum(_nbytes(t) for t in ts)
-
-
-# name in torch.distributed -> (op name, payload bytes from the bound arguments)
-_DIST_OPS: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
-    "all_reduce": ("all_reduce", lambda a: _nbytes(a["tensor"])),
-    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
-    "all_gather_single": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
-    "all_gather": ("all_gather", lambda a: _sum_bytes(a["tensor_list"])),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"])),
-    "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a["input"])),
-    "reduce_scatter": ("reduce_scatter", lambda a: _sum_bytes(a["input_list"])),
-    "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"])),
-    "all_to_all_single": ("all_to_all", lambda a: _nbytes(a["input"])),
-    "send": ("send", lambda a: _nbytes(a["tensor"])),
-    "recv": ("recv", lambda a: _nbytes(a["tensor"])),
-    "isend": ("send", lambda a: _nbytes(a["tensor"])),
-    "irecv": ("recv", lambda a: _nbytes(a["tensor"])),
-}
-_P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+from kernels.watch.dist_names import DIST_OPS, P2P, patched_dist_names, tensor_bytes
 
 
 class CommMeter:
@@ -111,7 +86,7 @@ class CommMeter:
             try:
                 start = time.perf_counter()
                 work = fn(*args, **kwargs)
-                if work is not None and name not in _P2P and hasattr(work, "wait"):
+                if work is not None and name not in P2P and hasattr(work, "wait"):
                     work.wait()  # measuring mode: the collective's own time
                 seconds = time.perf_counter() - start
             finally:
@@ -124,9 +99,9 @@ class CommMeter:
         if name == "batch_isend_irecv":
             for p2p in a["p2p_op_list"]:
                 op = "send" if p2p.op in (dist.isend, dist.send) else "recv"
-                self.record(op, 2, _nbytes(p2p.tensor), seconds / len(a["p2p_op_list"]), "dist", p2p.peer)
+                self.record(op, 2, tensor_bytes(p2p.tensor), seconds / len(a["p2p_op_list"]), "dist", p2p.peer)
             return
-        op, payload = _DIST_OPS[name]
+        op, payload = DIST_OPS[name]
         group = a.get("group")
         if op in ("send", "recv"):
             self.record(op, 2, payload(a), seconds, "dist", a.get("dst", a.get("src")))
@@ -135,7 +110,7 @@ class CommMeter:
 
     def _dist_names(self) -> list[str]:
         """The ``torch.distributed`` attributes ``patch_dist`` wraps."""
-        return [n for n in (*_DIST_OPS, "batch_isend_irecv") if hasattr(dist, n)]
+        return [n for n in (*DIST_OPS, "batch_isend_irecv") if hasattr(dist, n)]
 
     @contextlib.contextmanager
     def patch_dist(self) -> Iterator["CommMeter"]:
@@ -150,24 +125,6 @@ class CommMeter:
             yield self
         self.debug_counts = {str(k): v for k, v in debug.get_comm_counts().items()}
         self.unmetered = unmetered(self.debug_counts, self.rows)
-
-
-
-@contextlib.contextmanager
-def patched_dist_names(names: list[str], wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """While active, each ``torch.distributed.<name>`` in ``names`` is ``wrap(name, original)``; restored after.
-
-    Only the namespace attribute changes: callers that imported a function, or call c10d's
-    own module, reach the original (the lab's own bookkeeping collectives rely on that).
-    """
-    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-    for n, fn in originals.items():
-        setattr(dist, n, wrap(n, fn))
-    try:
-        yield
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
 
 
 # CommDebugMode's names for c10d (non-functional) collectives -> our op names
@@ -210,15 +167,15 @@ _FUNCOL = torch.ops._c10d_functional
 def _funcol_payload(name: str, args: tuple) -> tuple[str, int, int] | None:
     """(op, payload bytes, group size) of a functional collective, None for anything else."""
     if name == "all_reduce":  # (input, reduce_op, group_name)
-        return "all_reduce", _nbytes(args[0]), _group_size(args[2])
+        return "all_reduce", tensor_bytes(args[0]), _group(args[2]).size()
     if name == "all_gather_into_tensor":  # (input, group_size, group_name): the output is n x input
-        return "all_gather", _nbytes(args[0]) * args[1], args[1]
+        return "all_gather", tensor_bytes(args[0]) * args[1], args[1]
     if name == "reduce_scatter_tensor":  # (input, reduce_op, group_size, group_name)
-        return "reduce_scatter", _nbytes(args[0]), args[2]
+        return "reduce_scatter", tensor_bytes(args[0]), args[2]
     if name == "all_to_all_single":  # (input, output_splits, input_splits, group_name)
-        return "all_to_all", _nbytes(args[0]), _group_size(args[3])
+        return "all_to_all", tensor_bytes(args[0]), _group(args[3]).size()
     if name == "broadcast":  # (input, src, group_name)
-        return "broadcast", _nbytes(args[0]), _group_size(args[2])
+        return "broadcast", tensor_bytes(args[0]), _group(args[2]).size()
     return None
 
 
@@ -228,9 +185,9 @@ def ring_next(group: dist.ProcessGroup | None) -> int:
     return ranks[(ranks.index(dist.get_rank()) + 1) % len(ranks)]
 
 
-def _group_size(group_name: str) -> int:
+def _group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group  # name -> group (no public API)
-    return _resolve_process_group(group_name).size()
+    return _resolve_process_group(group_name)
 
 
 def _meter_funcol(meter: CommMeter, func: Any, types: tuple, args: tuple, call: Callable[[], Any]) -> Any:
@@ -247,9 +204,8 @@ def _meter_funcol(meter: CommMeter, func: Any, types: tuple, args: tuple, call: 
     out = call()
     for t in out if isinstance(out, (list, tuple)) else (out,):
         _FUNCOL.wait_tensor(t)  # measuring mode: the collective's own time
-    from torch.distributed.distributed_c10d import _resolve_process_group  # name -> group (no public API)
-    group = _resolve_process_group(args[{"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
-                                         "all_to_all_single": 3, "broadcast": 2}[name]])
+    group = _group(args[{"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
+                         "all_to_all_single": 3, "broadcast": 2}[name]])
     meter.record(info[0], info[2], info[1], time.perf_counter() - start, "funcol", ring_next(group))
     return out
 

@@ -46,11 +46,12 @@ from kernels.watch import faults as fault_kinds
 from kernels.watch import flight_recorder
 from kernels.watch.collective_log import CollectiveLog
 from kernels.contract.records import StepWait
-from kernels.watch.comm import _DIST_OPS, patched_dist_names, route_ddp_through_python
+from kernels.watch.comm import route_ddp_through_python
+from kernels.watch.dist_names import DIST_OPS, patched_dist_names
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
 # gloo's p2p works have no future to log their end with.
-_OPS = {**{k: v for k, v in _DIST_OPS.items() if k not in ("isend", "irecv")}, "barrier": ("barrier", lambda a: 0)}
+_OPS = {**{k: v for k, v in DIST_OPS.items() if k not in ("isend", "irecv")}, "barrier": ("barrier", lambda a: 0)}
 
 
 class RankWatch:

@@ -1,0 +1,101 @@
+"""Asynchronous checkpoint saves (``checkpoint_async=True``): staged to CPU memory now, written in the background.
+
+Algorithm: ``dcp.async_save`` copies the state to CPU memory (into the buffers of the
+run's first save: ``kernels.checkpoint.staging_buffers``) and writes it from a background
+thread over a separate gloo group; rank 0 renames the checkpoint when its write (which
+ends after everyone's) is done. DCP's plan cache is on: the saves of one run after the
+first skip gathering and checking the plans again. What is written, and how a save is
+named once whole, are ``kernels.checkpoint.save_load``'s.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from kernels.checkpoint.files import PARTIAL_SUFFIX
+from kernels.checkpoint.save_load import checkpoint_payload, finalize_save
+from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
+
+
+class _CachedPlans(DefaultSavePlanner):
+    """DCP's default planner with its plan cache on, under a key of its own.
+
+    DCP caches the save plans (and skips gathering the unchanged ones) under the planner's
+    key, by default its class name, process-wide: one key per saver keeps a later run of
+    another layout on the same warm engine from merging with this one's plans.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = key
+
+
+class AsyncSaver:
+    """``checkpoint_async=True``: each save is staged to CPU memory now and written in the background.
+
+    One save is in flight at a time (the next waits for it, so it may copy into the same
+    staging buffers); ``wait()`` finishes the last.
+    The background writes use their own gloo group, so they never interleave with the
+    training's collectives on the default group.
+    """
+
+    def __init__(self, ranks: list[int] | None = None) -> None:
+        # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
+        self.group = dist.new_group(ranks, backend="gloo")
+        # Every save of one run has the same keys and shards: after the first, DCP reuses its plans,
+        # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
+        self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
+        self.stager = ReusedStagingBuffers()
+        self.pending: Future | None = None
+
+    def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
+        """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
+        self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
+        final, began = Path(path), time.perf_counter()
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        future = dcp.async_save(checkpoint_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
+                                process_group=self.group, planner=self.planner, async_stager=self.stager)
+        meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
+        if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
+            named: Future = Future()
+            future.add_done_callback(lambda f: self._finalize(f, named, partial, final, meta, began))
+            future = named
+        self.pending = future
+
+    @staticmethod
+    def _finalize(written: Future, named: Future, partial: Path, final: Path, meta: dict[str, Any],
+                  began: float) -> None:
+        """Rank 0, in the writer's thread: name the checkpoint as soon as it is whole; ``named`` carries any error."""
+        try:
+            written.result()
+            finalize_save(partial, final, meta, began)
+            named.set_result(None)
+        except BaseException as error:  # handed on whole to whoever waits on ``named``
+            named.set_exception(error)
+
+    def _finish_local(self, barrier: bool = False) -> None:
+        """Wait for this rank's save in flight (raising its error); with ``barrier``, for every rank's too."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            finally:  # every rank meets here, a failed one too, before its error goes up
+                if barrier:
+                    dist.barrier(group=self.group)
+
+    def wait(self) -> None:
+        """Wait for the save in flight (raising its error, or the renaming's) and for every rank to see it named."""
+        self._finish_local(barrier=True)
+
+    def close(self) -> None:
+        """Finish the last save, free the staging buffers and destroy the group."""
+        self.wait()
+        self.stager.close()
+        dist.destroy_process_group(self.group)
