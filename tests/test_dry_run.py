@@ -156,7 +156,8 @@ def test_bad_layouts_are_refused_before_and_in_the_rank_process():
 def test_tiny_llama_runs_forward_on_real_tensors():
     import torch
 
-    from kernels.model.llama import build_llama, count_parameters
+    from kernels.model.gpt import count_parameters
+    from kernels.model.llama import build_llama
 
     model = build_llama(TINY, device="cpu", dtype=torch.float32)
     logits = model(torch.randint(0, 256, (2, 16)))

@@ -48,7 +48,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from kernels.contract import layout_rules
-from kernels.model.llama import Llama, LlamaConfig, build_llama, count_parameters, keep_layers
+from kernels.model.gpt import count_parameters
+from kernels.model.llama import Llama, LlamaConfig, build_llama, keep_layers
 from kernels.parallel.fsdp import apply_fsdp
 from kernels.parallel.mesh import ParallelDims, build_hsdp_mesh, build_mesh
 from kernels.parallel.tensor_parallel import apply_tp

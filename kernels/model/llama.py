@@ -40,7 +40,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from kernels.contract import layout_rules
-from kernels.model.gpt import Block, split_heads
+from kernels.model.gpt import Block, count_parameters, split_heads
 
 
 @dataclass(frozen=True)
@@ -209,11 +209,6 @@ def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
     if not last:
         model.norm = model.lm_head = None
     return model
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Parameters by global shape (a DTensor counts whole; a tied weight once)."""
-    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":

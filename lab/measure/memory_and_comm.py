@@ -45,13 +45,13 @@ from kernels.contract.layout_rules import MESH_AXES
 from kernels.train.entry import measure_rank
 from kernels.contract.records import CommRecord, MemoryRecord
 from lab.measure import host_traffic
-from lab.planning.plan_math import busbw_factor, zero_memory
+from lab.planning.plan_math import busbw_factor, dtype_bytes, optimizer_bytes, zero_memory
 from lab.planning.planner import plan
 
-_DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.float16": 2}
-# Optimizer state per parameter: bytes per element (K) and per tensor, by the run's optimizer.
-OPTIMIZER_K = {"adamw": 8, "sgd": 0}  # fp32 AdamW: exp_avg + exp_avg_sq, 4 bytes each; plain SGD keeps nothing
-STEP_BYTES = {"adamw": 4, "sgd": 0}  # AdamW's per-tensor fp32 step scalar
+# A parameter's dtype as the ranks record it (str(torch.dtype)) -> the planner's name for it.
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float64": "fp64", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+# Optimizer state per tensor beside the K bytes per element (plan_math.optimizer_bytes): AdamW's fp32 step scalar.
+STEP_BYTES = {"adamw": 4, "sgd": 0}
 PART_SOURCE = ("measured: saved-tensor hooks, each new storage counted for the innermost running module that "
                "names a part (kernels/measure/activation_parts.py); outside the model = the loss")
 
@@ -104,9 +104,14 @@ def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
         whole = d0 * rest
         local = shard_rows(d0, dims["dp"], coords["dp"]) * rest if fsdp else whole
         padded = padded_rows(d0, dims["dp"]) * rest if fsdp else whole
-        out.append({"name": name, "elem": _DTYPE_BYTES.get(info["dtype"], 4), "whole": whole,
+        out.append({"name": name, "elem": dtype_bytes(_DTYPE_NAMES.get(info["dtype"], "fp32")), "whole": whole,
                     "local": local, "padded": padded})
     return out
+
+
+def _k(optimizer: str) -> int:
+    """Optimizer-state bytes per parameter element of an fp32 run (K: AdamW 8, plain SGD 0)."""
+    return int(optimizer_bytes(optimizer, "fp32"))
 
 
 def _optimizer(record: dict[str, Any]) -> str:
@@ -129,7 +134,7 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     else:
         owned = table
     name = _optimizer(record)
-    opt = sum(p["local"] * OPTIMIZER_K[name] + STEP_BYTES[name] for p in owned)
+    opt = sum(p["local"] * _k(name) + STEP_BYTES[name] for p in owned)
     peak_params = whole_params if stage == 2 else rest_params
     # ZeRO-2 with gradient accumulation (no pp): FSDP2 keeps the earlier micro-batches' gradients
     # unsharded (whole) until the last one reduce-scatters them, beside the sharded buffers.
@@ -141,7 +146,7 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def formula_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The ZeRO formula of docs/design.md#zero-formulas in fp32 (4, 4, K), Ψ = all parameters / tp, N = dp."""
-    dims, stage, k = record["dims"], _stage(record), OPTIMIZER_K[_optimizer(record)]
+    dims, stage, k = record["dims"], _stage(record), _k(_optimizer(record))
     psi = sum(math.prod(i["global_shape"]) for i in record["params"].values()) / dims["tp"]
     peak = zero_memory(psi, dims["dp"], stage, 4, 4, k)
     rest = zero_memory(psi, dims["dp"], 3 if stage == 2 else stage, 4, 4, k)  # ZeRO-2 reshards after backward

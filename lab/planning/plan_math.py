@@ -16,7 +16,7 @@ import math
 
 GB = 1e9  # The sizing guides' GB: 140GB = 70e9 params × 2 bytes
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
 # Optimizer-state bytes per parameter (K of docs/design.md#zero-formulas), by the training dtype.
 # Mixed precision (bf16/fp16) keeps an fp32 master copy beside Adam's two fp32 moments:
@@ -56,7 +56,7 @@ def optimizer_bytes(optimizer: str | float, dtype: str = "bf16") -> float:
     if name not in OPTIMIZER_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_BYTES)} "
                          "or a number of bytes per parameter")
-    return float(OPTIMIZER_BYTES[name]["fp32" if dtype_bytes(dtype) == 4 else "mixed"])
+    return float(OPTIMIZER_BYTES[name]["fp32" if dtype_bytes(dtype) >= 4 else "mixed"])  # fp64: no master copy either
 
 
 def zero_memory(psi: float, n: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
