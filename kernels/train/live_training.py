@@ -35,7 +35,7 @@ from kernels.checkpoint.save_load import load_checkpoint, save_checkpoint
 from kernels.checkpoint.files import read_meta, step_dir
 from kernels.parallel.mesh import dp_group
 from kernels.train.run_build import RankBuild
-from kernels.train.run_checkpoints import settle_ddp_buckets
+from kernels.train.run_checkpoints import checkpoint_meta, save_due, settle_ddp_buckets
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import StepHooks
 from kernels.train.train_loop import train_loop
@@ -72,17 +72,20 @@ class LiveTraining:
             return {"losses": [], "grad_norms": [], "step_times": [], "params": {}, "first_step": first,
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         probe, tracer = build.probes()
-        losses, times, norms = [], [], []
-        checkpoint_dir = self.run.checkpoint_dir
-        for chunk in save_points(first, steps, self.run.checkpoint_every if checkpoint_dir else None):
-            hooks = StepHooks(chunk, probe, tracer) if len(losses) + chunk == steps else StepHooks(chunk)
-            part = train_loop(build.step_fn, build.optimizer, build.batches(self.next_step, chunk), dp=build.dims.dp,
-                              dp_group=dp_group(build.mesh), hooks=hooks, record_grad_norm=self.run.record_grad_norm)
-            losses, times, norms = losses + part[0], times + part[1], norms + part[2]
-            self.next_step += chunk
-            self.losses += part[0]
-            if checkpoint_dir is not None:
-                self._save_due(str(step_dir(checkpoint_dir, self.next_step)))
+        so_far: list = []  # this call's losses, as tensors: read only when a save needs them
+
+        def save_when_due(step: int, loss) -> None:  # run_checkpoints' cadence and meta, as an Experiment's run
+            so_far.append(loss)
+            done = first + step + 1
+            if self.run.checkpoint_dir and save_due(done, first + steps, self.run.checkpoint_every):
+                self._save_at(done, self.losses + [float(x) for x in so_far])
+
+        losses, times, norms = train_loop(build.step_fn, build.optimizer, build.batches(first, steps),
+                                          dp=build.dims.dp, dp_group=dp_group(build.mesh),
+                                          hooks=StepHooks(steps, probe, tracer),
+                                          record_grad_norm=self.run.record_grad_norm, on_step=save_when_due)
+        self.next_step += steps
+        self.losses += losses
         if self.saver is not None:  # the call returns once its checkpoints are complete, as an Experiment's run
             self.saver.wait()
         out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
@@ -93,27 +96,25 @@ class LiveTraining:
             out["trace"] = build.trace_record(tracer)
         return out
 
-    def _meta(self) -> dict[str, Any]:
-        """The meta of ``kernels.train.run_checkpoints``, where the run stands, and every loss so far."""
-        strategy = self.build.strategy
-        layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
-                  "schedule": strategy.schedule, "describe": strategy.describe()}
-        return {"step": self.next_step, "data_step": self.next_step, "losses": list(self.losses),
-                "loss": self.losses[-1] if self.losses else None, "config": self.run.to_dict(),
-                "world_size": self.build.dims.world_size, "layout": layout}
+    def _meta(self, done: int, losses: list[float]) -> dict[str, Any]:
+        """``kernels.train.run_checkpoints.checkpoint_meta`` for this training after ``done`` steps, with every loss."""
+        return checkpoint_meta(self.run, self.build.strategy, done, self.build.dims.world_size,
+                               losses[-1] if losses else None, losses)
 
-    def _save_due(self, path: str) -> None:
-        """A save ``advance`` makes: in the background with ``checkpoint_async``, else now."""
+    def _save_at(self, done: int, losses: list[float]) -> None:
+        """A save ``advance`` makes after ``done`` steps: in the background with ``checkpoint_async``, else now."""
+        path, meta = str(step_dir(self.run.checkpoint_dir, done)), self._meta(done, losses)
         if self.saver is None:
-            self.save(path, {})
+            save_checkpoint(path, self.build.params_module, self.build.optimizer, meta, process_group=self.group)
         else:
-            self.saver.save(path, self.build.params_module, self.build.optimizer, self._meta())
+            self.saver.save(path, self.build.params_module, self.build.optimizer, meta)
 
     def save(self, path: str, meta: dict[str, Any], *, optimizer_settings: bool = True) -> None:
         """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``), where the run stands."""
         if not self.idle:
-            save_checkpoint(path, self.build.params_module, self.build.optimizer, {**meta, **self._meta()},
-                            process_group=self.group, optimizer_settings=optimizer_settings)
+            save_checkpoint(path, self.build.params_module, self.build.optimizer,
+                            {**meta, **self._meta(self.next_step, self.losses)}, process_group=self.group,
+                            optimizer_settings=optimizer_settings)
 
     def load(self, path: str, *, optimizer_settings: bool = True) -> dict[str, Any]:
         """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
@@ -175,18 +176,6 @@ def held(key: str) -> LiveTraining:
         raise TrainingGoneError(f"no training is held under {key!r} on this rank: it was closed, or the world "
                                 "it lived in was rebuilt (after a failure or a restart)")
     return live
-
-
-def save_points(first: int, steps: int, every: int | None) -> list[int]:
-    """The steps from ``first`` on, in runs that end at each multiple of ``every`` and at the last one."""
-    if every is None:
-        return [steps]
-    out, at, end = [], first, first + steps
-    while at < end:
-        stop = min(end, (at // every + 1) * every)
-        out.append(stop - at)
-        at = stop
-    return out
 
 
 def advance(key: str, steps: int, *, return_params: bool = False) -> dict[str, Any]:

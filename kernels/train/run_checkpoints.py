@@ -33,6 +33,29 @@ from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import StepHooks
 
 
+def save_due(done: int, last: int, every: int | None) -> bool:
+    """Whether a save is due once ``done`` steps are complete: at each multiple of ``every``, and at ``last``.
+
+    The one cadence of every training: an Experiment's run (``last`` = its steps) and each
+    ``advance`` of a held training (``last`` = where that call ends).
+    """
+    return done == last or bool(every) and done % every == 0
+
+
+def checkpoint_meta(run: RunConfig, strategy: Strategy, done: int, world_size: int, loss: float | None,
+                    losses: list[float] | None = None) -> dict[str, Any]:
+    """The meta every checkpoint carries (``meta.json``): where the run stands, its config and layout.
+
+    A held training adds every loss so far (``losses``), so a rebuilt one goes on with them.
+    """
+    meta = {"step": done, "data_step": done, "loss": loss, "config": run.to_dict(), "world_size": world_size,
+            "layout": {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
+                       "schedule": strategy.schedule, "describe": strategy.describe()}}
+    if losses is not None:
+        meta["losses"] = list(losses)
+    return meta
+
+
 class RunCheckpoints:
     """The run's saves and its resume point; ``model`` is the GPT or the list of this rank's pipeline stages."""
 
@@ -42,8 +65,7 @@ class RunCheckpoints:
         if (run.checkpoint_dir or run.resume_from) and (run.world_size or everyone) != everyone:
             raise ValueError("checkpoints are saved and loaded by every rank of the process group: run on all of them "
                              f"(world_size={run.world_size} of {everyone})")
-        self.layout = {"pp": strategy.pp, "dp": strategy.dp, "tp": strategy.tp, "zero": strategy.zero,
-                       "schedule": strategy.schedule, "describe": strategy.describe()}
+        self.strategy = strategy
         self.first_step, self.load_seconds = 0, 0.0
         self.saver = AsyncSaver() if run.checkpoint_dir and run.checkpoint_async else None
 
@@ -69,11 +91,10 @@ class RunCheckpoints:
     def after_step(self, step: int, loss: torch.Tensor) -> None:
         """After local step ``step`` (0-based, counted from the resume point): save when one is due."""
         done = self.first_step + step + 1  # steps completed, counted from the start of training
-        every, root = self.run.checkpoint_every, self.run.checkpoint_dir
-        if not root or not (done == self.run.steps or (every and done % every == 0)):
+        root = self.run.checkpoint_dir
+        if not root or not save_due(done, self.run.steps, self.run.checkpoint_every):
             return
-        meta = {"step": done, "data_step": done, "loss": float(loss), "config": self.run.to_dict(),
-                "world_size": dist.get_world_size(), "layout": self.layout}
+        meta = checkpoint_meta(self.run, self.strategy, done, dist.get_world_size(), float(loss))
         path = str(step_dir(root, done))
         if self.saver is not None:
             self.saver.save(path, self.model, self.optimizer, meta)
