@@ -62,7 +62,7 @@ def test_model_state_bytes_per_rank_equal_the_zero_formula(measured, layout, mom
             assert rows["optimizer"].measured == pytest.approx(rows["optimizer"].formula, rel=0.01)
         assert rows["activations"].measured > 0 if moment == "peak_fwd_bwd" else "activations" not in rows
         parts = {c[len("activations."):]: r.measured for c, r in rows.items() if c.startswith("activations.")}
-        if moment == "peak_fwd_bwd":  # the same bytes split by the part that saved them (kernels/activation_parts)
+        if moment == "peak_fwd_bwd":  # the same bytes split by the part that saved them (kernels/measure/activation_parts.py)
             assert sum(parts.values()) == rows["activations"].measured and {"attention", "mlp", "norms"} <= set(parts)
             predicted = {c[len("activations."):]: r.predicted for c, r in rows.items() if c.startswith("activations.")}
             assert predicted == parts, (layout, rank)  # the lab GPT's rule (kernels/contract/activation_rules.py), exact
