@@ -23,9 +23,8 @@ raises (or is interrupted), the guard destroys this rank's process group before 
 re-raises. With gloo, closing a rank's connections makes every peer that waits on it
 in a collective fail at once with "Connection closed by peer", instead of waiting
 for the collective timeout: that is what lets the driver report the failing rank
-within seconds and rebuild the world. The guard also says when a call begins
-(``CALL_BEGUN_KEY``), so that a rank the scheduler has not yet run when a peer fails is
-given time to begin and fail on its own rather than be interrupted before its first line.
+within seconds and rebuild the world. Its frame on a rank's stack is how the driver tells
+that the rank has begun a call (``lab.pool.cluster_world``).
 
 Run alone (two ranks, no ipyparallel)::
 
@@ -59,7 +58,6 @@ from kernels.watch import flight_recorder, progress, stack_report
 # first call on every engine, imports them before any world, so the defaults hold None.
 _MODULES_WITH_WORLD_DEFAULTS = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
                                 "torch.distributed.fsdp.sharded_grad_scaler")
-CALL_BEGUN_KEY = "call.begun"  # published (ipyparallel data) as call_guarded begins the user's function
 
 # The master store must outlive the call that created it until rank 0 joins the
 # world in the next call; after that the process group holds its own reference.
@@ -244,9 +242,6 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) ->
     The failure's frames are kept for the driver (``kernels.watch.stack_report.last_failure``).
     """
     stack_report.forget_failure()
-    publish = progress.engine_publisher()
-    if publish is not None:
-        publish({CALL_BEGUN_KEY: True})
     try:
         return _with_rank_names(fn)(*args, **kwargs)
     except BaseException as error:

@@ -7,7 +7,7 @@ and recovers from a failed call (``_recover``):
 1. ranks that already returned leave the world, so peers waiting on them fail at once;
 2. the other ranks get a grace period to fail on their own (a failing rank's guard
    closes its connections, so its peers fail within a second or so), counted from
-   when the last of them began the call (``kernels.engine.runtime.CALL_BEGUN_KEY``);
+   when the last of them began the call (its stack shows ``call_guarded``);
 3. ranks still running are sent SIGINT;
 4. ranks wedged even then (blocked inside a collective whose peers are all alive) are
    killed, only if the lab started their engines;
@@ -21,11 +21,12 @@ so, and the next call waits for the new engines and forms the world first
 needs a restart.
 
 It works on the Cluster's state (``_source``, ``_rank_map``, ``_views``, ``_dead``,
-``_states``, ``_standby`` ...) and its ``_is_dead``, ``_engine_of`` and ``_check_not_stopped``.
+``_states``, ``_standby`` ...) and its ``_is_dead``, ``_engine_of``, ``_check_not_stopped`` and ``_stacks_now``.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
 import time
@@ -39,7 +40,7 @@ from lab.pool import launch
 from lab.errors import LabError, RankError, Recovery, rank_list
 from lab.pool.rank_map import build_rank_map
 from lab.pool.standby import engine_info
-from lab.pool.supervise import Outcome, call_metadata, describe_failures, wait_ranks
+from lab.pool.supervise import Outcome, describe_failures, wait_ranks
 
 GRACE_S = 1.0  # how long peers get to fail on their own once one rank has failed (and has begun the call)
 BEGIN_WAIT_S = 20.0  # how long a rank that has not begun the failed call gets to begin it
@@ -195,15 +196,17 @@ class WorldKeeper:
         """Wait ``GRACE_S`` for the ranks still running to fail on their own, and longer for any not yet begun.
 
         On an oversubscribed machine a rank may not have begun the call when a peer
-        fails; interrupting it then would lose what its cell was about to write.
+        fails; interrupting it then would lose what its cell was about to write. A rank
+        has begun when ``call_guarded`` is on its stack (dumped on this host; a rank
+        elsewhere counts as begun). Nothing is asked of the ranks on the happy path.
         """
-        metadata = call_metadata(self._source.client, out.pending)
         begun_by = time.monotonic() + BEGIN_WAIT_S
-        while out.pending:
-            not_begun = {r for r in out.pending if runtime.CALL_BEGUN_KEY not in metadata[r]["data"]}
-            wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
-            if not (not_begun & out.pending.keys()) or time.monotonic() >= begun_by:
+        wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
+        while out.pending and time.monotonic() < begun_by:
+            stacks = self._stacks_now(set(out.pending))
+            if not any(frames is not None and not _in_a_call(frames) for frames in stacks.values()):
                 return
+            wait_ranks({}, self._is_dead, deadline=time.monotonic() + GRACE_S, stop_on_failure=False, outcome=out)
 
     def _release_waiters(self, out: Outcome) -> None:
         """Ranks that returned leave the world, closing their connections, so ranks still waiting on them fail."""
@@ -287,3 +290,9 @@ def _in_ipython() -> bool:
     except ImportError:
         return False
     return get_ipython() is not None
+
+
+def _in_a_call(frames: list[tuple[str, int, str]]) -> bool:
+    """Whether a rank's main-thread stack holds the guard of a lab call (``kernels.engine.runtime.call_guarded``)."""
+    return any(name == "call_guarded" and file.endswith(os.path.join("engine", "runtime.py"))
+               for file, _, name in frames)
