@@ -54,21 +54,17 @@ def rank_rules(fields: dict) -> set[str]:
     """What a rank refuses as it reads the run config, resolves its strategy, checks the TP split and cuts its stage."""
     try:
         run = RunConfig(model=MODEL, global_batch=GLOBAL_BATCH, **fields)
+        _, strategy = run_strategy(run, WORLD)
     except ConfigError as error:
         return set(error.rules)
-    try:
-        run_strategy(run, WORLD)
-    except ValueError as error:
-        return {part.split("]")[0].lstrip("[") for part in str(error).split("; ")}
     with torch.device("meta"):
         model = GPT(model_config(run))
     found = {rule for rule, _ in tp_split_problems(run.tp, model.tp_sizes(), run.sequence_parallel)}
     if run.pp > 1:  # each pp rank cuts its stages out of the model
-        _, strategy = run_strategy(run, WORLD)
         try:
             keep_stage(model, 0, run.pp * strategy.stages_per_rank)
-        except ValueError as error:
-            found.add(str(error).split("]")[0].lstrip("["))
+        except ConfigError as error:
+            found |= set(error.rules)
     return found
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels.watch import flight_recorder, progress, stack_report
+from kernels.watch import flight_recorder, stack_report
 
 # These torch modules give functions the default argument ``group=dist.group.WORLD``, which
 # Python evaluates once, at the module's first import. Imported while a world exists (training

@@ -253,7 +253,7 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
     """
     problems = stage_split_problems(model.config.layers, num_stages)  # the rule lab.Parallel applies
     if problems:
-        raise ValueError(f"[{problems[0][0]}] {problems[0][1]}")
+        raise config_rules.ConfigError(problems)
     keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
     for name in list(model.blocks.keys()):
         if name not in keep:

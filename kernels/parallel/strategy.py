@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass
 
 from kernels.contract import layout_rules
+from kernels.contract.config_rules import ConfigError
 from kernels.contract.layout_combinations import combination_problems
 from kernels.parallel.mesh import ParallelDims
 from kernels.contract.run_config import RunConfig
@@ -97,14 +98,17 @@ def resolve_strategy(dims: ParallelDims, *, zero: int = 0, fsdp_strategy: str | 
                      activation_checkpointing: bool = False, mixed_precision: str | None = None,
                      cpu_offload: bool = False, compile: bool = False, schedule: str | None = None,
                      stages_per_rank: int | None = None, microbatches: int | None = None) -> Strategy:
-    """The one Strategy these options mean on ``dims``; ValueError for combinations that cannot run."""
+    """The one Strategy these options mean on ``dims``.
+
+    Raises ``ConfigError`` (a ValueError) naming the rules a combination breaks.
+    """
     schedule = layout_rules.canonical_schedule(schedule or "1f1b")
     problems = combination_problems(dp=dims.dp, tp=dims.tp, pp=dims.pp, zero=zero, fsdp_strategy=fsdp_strategy,
                                     dp_replicate=dp_replicate, cpu_offload=cpu_offload, loss_parallel=loss_parallel,
                                     schedule=schedule, stages_per_rank=stages_per_rank,
                                     microbatches=microbatches if dims.pp > 1 else None)
     if problems:  # the same rules lab.Parallel applies on the driver
-        raise ValueError("; ".join(f"[{rule}] {message}" for rule, message in problems))
+        raise ConfigError(problems)
     zero = layout_rules.zero_stage(zero, fsdp_strategy)
     hybrid = fsdp_strategy == "hybrid"
     replicate = layout_rules.hsdp_split(dims.dp, dp_replicate)[0] if hybrid else 1

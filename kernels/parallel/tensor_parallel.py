@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from kernels.contract.config_rules import ConfigError
 from kernels.contract.layout_combinations import tp_split_problems
 
 
@@ -50,7 +51,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     tp = tp_mesh.size()
     problems = tp_split_problems(tp, model.tp_sizes(), sequence_parallel)  # the rules lab.Parallel applies
     if problems:
-        raise ValueError("apply_tp: " + "; ".join(f"[{rule}] {message}" for rule, message in problems))
+        raise ConfigError(problems)
     block_plan, outer_plan = model.tp_plan(sequence_parallel, loss_parallel)
     # Every rank built the same weights from the seed, so each slices its shard locally
     # (src_data_rank=None) instead of receiving it from rank 0: no collective per weight.

@@ -134,7 +134,8 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     else:
         owned = table
     name = _optimizer(record)
-    opt = sum(p["local"] * _k(name) + STEP_BYTES[name] for p in owned)
+    k, step_bytes = _k(name), STEP_BYTES[name]
+    opt = sum(p["local"] * k + step_bytes for p in owned)
     peak_params = whole_params if stage == 2 else rest_params
     # ZeRO-2 with gradient accumulation (no pp): FSDP2 keeps the earlier micro-batches' gradients
     # unsharded (whole) until the last one reduce-scatters them, beside the sharded buffers.
