@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.contract.records import RankFailure
+from kernels.contract.pool_records import RankFailure
 
 
 _SAID_BY_LAB = ("Timeout", "Killed", "EngineDied")  # failures the lab describes itself: their message says more

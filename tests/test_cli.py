@@ -89,7 +89,7 @@ def test_demo_runs_both_parts_on_the_ranks_given_after_the_command():
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"):
         assert sum(line.startswith(op) for line in done.stdout.splitlines()) == 2
     assert "10 of 10 collective results match" in done.stdout
-    assert "PP1×DP1×TP2 zero=0 1f1b m=1 on 2 ranks" in done.stdout
+    assert "training the GPT with TP2 on 2 ranks" in done.stdout
     assert "losses equal the one-process reference" in done.stdout
 
 
@@ -98,7 +98,8 @@ def test_default_demo_trains_the_gpt_in_3d_beside_one_process():
     done = cluster_lab("demo", timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the five collectives on 4 ranks" in done.stdout
-    assert "PP2×DP2×TP2" in done.stdout and "on 8 ranks" in done.stdout
+    assert "TP2×PP2×DP2, ZeRO-0 (whole parameters, one all-reduce per gradient after the schedule)" in done.stdout
+    assert "on 8 ranks" in done.stdout
     table = done.stdout[done.stdout.index("step  loss"):].splitlines()[1:6]
     assert len(table) == 5 and all(float(row.split()[-1]) < 1e-4 for row in table)
     assert "losses equal the one-process reference" in done.stdout

@@ -28,7 +28,7 @@ def dynamo_counts() -> dict[str, int]:
 
 def test_compile_must_be_a_bool_before_anything_launches():
     with pytest.raises(ValueError, match=r"\[bool-flags\] switches must be True or False: compile='yes'"):
-        RunConfig(compile="yes")
+        RunConfig.from_options({"compile": "yes"})
 
 
 @pytest.mark.slow

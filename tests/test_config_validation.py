@@ -104,9 +104,11 @@ DIRECT_REFUSALS = {
     "rank-config-one-beta": (lambda pool: RunConfig(betas=(0.9,)), "adamw"),
     "rank-config-negative-weight-decay": (lambda pool: RunConfig(weight_decay=-0.1), "adamw"),
     "rank-config-ranks-per-host": (lambda pool: RunConfig(ranks_per_host=(2, 0)), "positive-sizes"),
-    "rank-config-unknown-schedule": (lambda pool: RunConfig(schedule="pipedream"), "unknown-schedule"),
+    "rank-config-unknown-schedule": (lambda pool: RunConfig.from_options({"schedule": "pipedream"}),
+                                     "unknown-schedule"),
     "rank-config-data-seed": (lambda pool: RunConfig(data_seed=2.0), "seed"),
-    "rank-config-mesh-order": (lambda pool: RunConfig(mesh_order=("pp", "tp", "tp")), "mesh-order"),
+    "rank-config-mesh-order": (lambda pool: RunConfig.from_options({"mesh_order": ("pp", "tp", "tp")}),
+                               "mesh-order"),
     "log-to-unknown": (lambda pool: open_loggers("csv:run.csv", {}, 4), "log-to"),
     "ps-servers-no-worker": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), servers=4), "ps-servers"),
     "ps-mode-unknown": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), mode="hogwild"), "ps-mode"),
@@ -169,8 +171,11 @@ def test_every_config_rule_has_a_case():
 
 def test_a_rank_config_refuses_the_same_odd_values_by_name():
     with pytest.raises(ConfigError) as err:
-        RunConfig(dp=2.0, steps="3", lr=math.nan, seed=-1, trace=1, model={"vocab": 2})
+        RunConfig(steps="3", lr=math.nan, seed=-1, trace=1, model={"vocab": 2})
     assert set(err.value.rules) == {"positive-sizes", "adamw", "seed", "bool-flags", "data-vocab"}
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_options({"dp": 2.0, "sequence_parallel": 1})
+    assert set(err.value.rules) == {"positive-sizes", "bool-flags"}
     with pytest.raises(ConfigError) as err:
         RunConfig(model={"vocab": 2, "width": 3})
     assert set(err.value.rules) == {"model-keys", "data-vocab"}
@@ -191,19 +196,18 @@ def _assert_the_ranks_would_accept(exp: lab.Experiment) -> None:
     """What each rank checks as it starts, run here with the ranks' own code (no process group needed)."""
     run = exp.run_config(return_params=True)
     assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
-    _, strategy = dims_and_strategy(run, WORLD)  # the mesh sizes and the Strategy, or its ValueError
+    _, s = dims_and_strategy(run, WORLD)  # the mesh sizes and the Strategy, or its ValueError
     with torch.device("meta"):
         sizes = GPT(model_config(run)).tp_sizes()
-    assert all(v % run.tp == 0 for v in sizes.values()), (sizes, run.tp)  # kernels.parallel.tensor_parallel.apply_tp
+    assert all(v % s.tp == 0 for v in sizes.values()), (sizes, s.tp)  # kernels.parallel.tensor_parallel.apply_tp
     dataset(run)
-    assert run.global_batch % (run.dp * run.microbatches) == 0
-    if run.pp > 1:
-        num_stages = run.pp * run.stages_per_rank
-        for pp_rank in range(run.pp):
-            for stage in layout_rules.stage_ids(strategy.schedule, pp_rank, run.pp, run.stages_per_rank):
-                assert len(layout_rules.layer_split(model_config(run).layers, num_stages, stage)) >= 1
+    assert run.global_batch % (s.dp * s.microbatches) == 0
+    if s.pp > 1:
+        for pp_rank in range(s.pp):
+            for stage in layout_rules.stage_ids(s.schedule, pp_rank, s.pp, s.stages_per_rank):
+                assert len(layout_rules.layer_split(model_config(run).layers, s.num_stages, stage)) >= 1
     if run.synthetic_forward_s is not None:
-        SyntheticCost(run.synthetic_forward_s, run.stages_per_rank)
+        SyntheticCost(run.synthetic_forward_s, s.stages_per_rank)
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], run)
 
 

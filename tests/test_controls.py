@@ -34,7 +34,7 @@ def test_run_trains_the_new_layout_on_the_warm_pool_and_updates_views(cluster):
     controls = Controls(lab.Experiment(cluster, TINY, lab.Parallel(dp=4), global_batch=8, steps=2))
     controls.fields["dp"].value, controls.fields["tp"].value, controls.fields["zero"].value = 2, 2, 3
     result = controls.run()
-    assert result.config["tp"] == 2 and result.config["zero"] == 3
+    assert result.config["strategy"]["tp"] == 2 and result.config["strategy"]["requested_zero"] == 3
     assert "equal to one process" in controls.losses.value
     assert len(controls.sharding.rows) == 4  # the sharding view now shows the new layout's ranks
     assert [r.pid for r in cluster.rank_map.ranks] == pids  # same engines: nothing was relaunched
@@ -79,7 +79,7 @@ def test_keep_weights_trains_on_across_layouts(cluster):
     controls.run()
     controls.fields["dp"].value, controls.fields["tp"].value, controls.fields["zero"].value = 2, 2, 3
     result = controls.run()
-    assert result.config["tp"] == 2 and controls.training.steps_done == 4 and len(result.losses) == 2
+    assert result.config["strategy"]["tp"] == 2 and controls.training.steps_done == 4 and len(result.losses) == 2
     assert controls.losses.value.count("<tr>") == 1 + 4 and "equal to one process" in controls.losses.value
     assert [r.pid for r in cluster.rank_map.ranks] == pids
     controls.keep_weights.value = False  # unticked: the kept weights are freed on the ranks

@@ -7,8 +7,7 @@ import json
 import pytest
 
 import lab
-from kernels.parallel.mesh import ParallelDims
-from kernels.parallel.strategy import resolve_strategy
+from kernels.contract.strategy import resolve_strategy
 from kernels.contract.run_config import RunConfig
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
@@ -46,7 +45,8 @@ def test_the_rank_config_is_typed_and_round_trips_through_json():
     exp = lab.Experiment(RefusingCluster(), model, lab.Parallel(dp=2, pp=2, schedule="zbv", microbatches=4),
                          global_batch=8)
     run = exp.run_config()
-    assert run.stages_per_rank == 2 and run.dp_replicate is None and run.schedule == "zbv"
+    s = run.strategy
+    assert s.stages_per_rank == 2 and s.dp_replicate == 1 and s.schedule == "zbv" and s.microbatches == 4
     assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
     assert exp.config() == run.to_dict()
 
@@ -61,7 +61,7 @@ def test_the_rank_config_is_typed_and_round_trips_through_json():
 ])
 def test_a_bad_rank_config_is_refused_in_words(fields, words):
     with pytest.raises(ValueError, match=words):
-        RunConfig.from_dict(fields)
+        RunConfig.from_options(fields)
 
 
 @pytest.mark.parametrize("sizes, options, kind, hybrid", [
@@ -74,8 +74,7 @@ def test_a_bad_rank_config_is_refused_in_words(fields, words):
     ({"pp": 4}, {}, "pp", False),
 ])
 def test_a_layout_resolves_to_one_typed_strategy(sizes, options, kind, hybrid):
-    dims = ParallelDims(world_size=4, **sizes)
-    strategy = resolve_strategy(dims, **options)
+    strategy = resolve_strategy(**sizes, **options)
     assert (strategy.kind, strategy.hybrid) == (kind, hybrid)
     with pytest.raises(dataclasses.FrozenInstanceError):
         strategy.zero = 3
@@ -120,7 +119,7 @@ def test_run_result_equals_the_reference_and_round_trips_through_json(cluster, t
 def test_a_mesh_order_puts_the_ranks_where_the_planner_counts_them(cluster):
     order = ("pp", "tp", "dp")  # each tp group is ranks dp apart: 0 and 2, 1 and 3
     exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=2, tp=2, mesh_order=list(order)), global_batch=8, steps=2)
-    assert exp.run_config().mesh_order == order
+    assert exp.run_config().strategy.mesh_order == order
     result = exp.run(progress=False)
     assert result.matches(exp.reference(), rtol=1e-4), result.loss_table(exp.reference())
     tp_of = {r["rank"]: r["coords"]["tp"] for r in result.layout}

@@ -15,10 +15,10 @@ import pytest
 
 import lab
 from kernels.watch.collective_log import CollectiveLog, log_path, read_state, straggler
-from kernels.contract.records import StepWait
+from kernels.contract.watch_records import StepWait
 from lab.run.faults import fault_problems
 import lab.pool.hang_report
-from kernels.contract.records import FlightGroup
+from kernels.contract.watch_records import FlightGroup
 from lab.pool.hang_report import RankDoing, build_report, flight_findings
 from widgets.training_dashboard import rank_rows
 
@@ -221,7 +221,7 @@ def test_slow_rank_makes_the_others_wait_in_the_gradient_all_reduce_for_about_th
     t = 0.1  # each forward padded to t, each backward to 2t: compute about 3t per step
     base = experiment(cluster, steps=4, synthetic_forward_s=t).run()
     slow = experiment(cluster, steps=4, synthetic_forward_s=t, faults=[lab.Slow(2, 2.0)]).run()
-    assert slow.faults == [{"kind": "slow", "rank": 2, "factor": 2.0}] and base.faults == []
+    assert slow.faults == [{"kind": "slow", "rank": 2, "factor": 2.0, "at_step": None}] and base.faults == []
     others = (0, 1, 3)
     before, after = _mean_per_rank(base, "grad_sync_s"), _mean_per_rank(slow, "grad_sync_s")
     compute = _mean_per_rank(slow, "compute_s")

@@ -9,6 +9,7 @@ one of each family over three steps).
 """
 from __future__ import annotations
 
+import json
 import itertools
 import warnings
 
@@ -20,7 +21,6 @@ from kernels.contract.config_rules import ConfigError
 from kernels.contract.layout_combinations import tp_split_problems
 from kernels.contract.run_config import RunConfig
 from kernels.model.gpt import GPT, keep_stage, model_config
-from kernels.parallel.strategy import run_strategy
 
 MODEL = {"layers": 4, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 WORLD, GLOBAL_BATCH = 4, 8
@@ -53,16 +53,17 @@ def driver_rules(fields: dict) -> set[str]:
 def rank_rules(fields: dict) -> set[str]:
     """What a rank refuses as it reads the run config, resolves its strategy, checks the TP split and cuts its stage."""
     try:
-        run = RunConfig(model=MODEL, global_batch=GLOBAL_BATCH, **fields)
-        _, strategy = run_strategy(run, WORLD)
+        sent = RunConfig.from_options({"model": MODEL, "global_batch": GLOBAL_BATCH, **fields}).to_dict()
+        run = RunConfig.from_dict(json.loads(json.dumps(sent)))  # as a rank reads it back
     except ConfigError as error:
         return set(error.rules)
+    strategy = run.strategy
     with torch.device("meta"):
         model = GPT(model_config(run))
-    found = {rule for rule, _ in tp_split_problems(run.tp, model.tp_sizes(), run.sequence_parallel)}
-    if run.pp > 1:  # each pp rank cuts its stages out of the model
+    found = {rule for rule, _ in tp_split_problems(strategy.tp, model.tp_sizes(), strategy.sequence_parallel)}
+    if strategy.pp > 1:  # each pp rank cuts its stages out of the model
         try:
-            keep_stage(model, 0, run.pp * strategy.stages_per_rank)
+            keep_stage(model, 0, strategy.num_stages)
         except ConfigError as error:
             found |= set(error.rules)
     return found

@@ -19,7 +19,7 @@ import lab
 from kernels.measure.memory import SavedActivations
 from kernels.measure.memory_timeline import LiveActivations
 from kernels.model.gpt import GPTConfig, build_gpt, loss_fn
-from kernels.contract.records import MemorySample
+from kernels.contract.measure_records import MemorySample
 from widgets import MemoryView, plot_memory
 from widgets._memory_strip import TITLE, X_LABEL, strip_state
 

@@ -21,11 +21,11 @@ def _logits_dtype(layout: dict) -> str:
     from kernels.model.gpt import build_gpt, model_config
     from kernels.parallel.mesh import build_mesh, destroy_mesh_groups
     from kernels.parallel.parallelize import parallelize
-    from kernels.parallel.strategy import run_strategy
     from kernels.contract.run_config import RunConfig
+    from kernels.train.run_build import dims_and_strategy
 
-    run = RunConfig(model=TINY, **layout)
-    dims, strategy = run_strategy(run, dist.get_world_size())
+    run = RunConfig.from_options({"model": TINY, **layout})
+    dims, strategy = dims_and_strategy(run, dist.get_world_size())
     mesh = build_mesh(dims, "cpu")
     try:
         model = parallelize(build_gpt(model_config(run)), strategy, mesh)
@@ -47,11 +47,10 @@ def test_bf16_layouts_compute_in_bf16(cluster, layout, dtype):
 
 
 def test_bf16_is_autocast_exactly_where_fsdp2_does_not_sync():
-    from kernels.parallel.strategy import run_strategy
-    from kernels.contract.run_config import RunConfig
+    from kernels.contract.strategy import resolve_strategy
 
     def autocast(**layout):
-        return run_strategy(RunConfig(model=TINY, mixed_precision="bf16", **layout))[1].autocast
+        return resolve_strategy(mixed_precision="bf16", **layout).autocast
 
     assert autocast(dp=1) and autocast(dp=4) and autocast(dp=4, zero=1) and autocast(tp=4)
     assert autocast(pp=2, dp=2) and autocast(pp=2, dp=2, zero=1)

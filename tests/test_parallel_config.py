@@ -116,7 +116,7 @@ VALID = [
 ]
 
 
-@pytest.mark.parametrize("fields", VALID, ids=[Parallel(**f).describe() for f in VALID])
+@pytest.mark.parametrize("fields", VALID, ids=["-".join(f"{k}{v}" for k, v in f.items()) for f in VALID])
 def test_valid_layouts_raise_nothing_and_warn_in_plain_strings(fields):
     warnings = _check(fields, batch=48)
     assert isinstance(warnings, list) and all(isinstance(w, str) for w in warnings)
@@ -179,13 +179,22 @@ def test_from_dict_rejects_unknown_fields():
 
 
 @pytest.mark.parametrize("fields, text", [
-    (dict(dp=2, tp=2, pp=2, microbatches=4), "PP2×DP2×TP2 zero=0 1f1b m=4"),
-    (dict(dp=4, fsdp_strategy="full", mixed_precision="bf16"), "PP1×DP4×TP1 zero=3(full) 1f1b m=1 bf16"),
-    (dict(pp=2, schedule="zbv", activation_checkpointing=True), "PP2×DP1×TP1 zero=0 zbv m=2 v=2 ac"),
-    (dict(dp=8, fsdp_strategy="hybrid", dp_replicate=2), "PP1×DP8×TP1 zero=3(hybrid) 1f1b m=1 2x4"),
-    (dict(dp=2, tp=2, mesh_order=["pp", "tp", "dp"]), "PP1×DP2×TP2 zero=0 1f1b m=1 order=pp,tp,dp"),
+    (dict(dp=2, tp=2, pp=2, microbatches=4), "TP2×PP2×DP2, ZeRO-0 (whole parameters, one all-reduce per gradient "
+                                             "after the schedule), 1f1b with 4 micro-batches"),
+    (dict(dp=4, fsdp_strategy="full", mixed_precision="bf16"),
+     "DP4, ZeRO-3 (FSDP2: sharded parameters gathered per block and freed after forward; gradients "
+     "reduce-scattered), bf16"),
+    (dict(pp=2, schedule="zbv", activation_checkpointing=True),
+     "PP2, zbv with 2 micro-batches, 2 stages per rank, activation checkpointing"),
+    (dict(dp=8, fsdp_strategy="hybrid", dp_replicate=2, zero=2),
+     "DP8, ZeRO-2 (FSDP2: sharded parameters gathered per block and kept until backward ends; gradients "
+     "reduce-scattered; HSDP: 2 replicas of 4 shards)"),
+    # What the sharding view once called "fsdp · ZeRO-2": the user chose ZeRO 0, and is told how it runs.
+    (dict(dp=2, tp=2, mesh_order=["pp", "tp", "dp"]),
+     "TP2×DP2, ZeRO-0 (DP through FSDP2 replicate: whole parameters, all-reduced gradients, as DDP; DDP cannot "
+     "take TP's DTensors), rank order pp,tp,dp"),
 ])
-def test_describe_is_one_readable_line(fields, text):
+def test_describe_says_what_was_chosen_and_what_it_runs_as(fields, text):
     assert Parallel(**fields).describe() == text
 
 

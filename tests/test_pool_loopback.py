@@ -8,7 +8,7 @@ import pytest
 
 import lab
 from kernels.engine import runtime
-from kernels.contract.records import EngineInfo
+from kernels.contract.pool_records import EngineInfo
 from lab.pool.cluster_world import listen_addresses
 from lab.pool.rank_map import build_rank_map
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import lab
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.contract.records import EngineInfo
+from kernels.contract.pool_records import EngineInfo
 from lab.pool.rank_map import RankMapError, build_rank_map
 
 

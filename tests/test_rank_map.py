@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lab.pool.rank_map import RankMapError, build_rank_map, local_world_sizes
-from kernels.contract.records import EngineInfo, RankMap
+from kernels.contract.pool_records import EngineInfo, RankMap
 
 
 def engine(engine_id: int, host: str = "a", gpus: tuple[str, ...] = (),

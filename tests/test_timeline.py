@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import kernels.measure.synthetic as synthetic
 from kernels.measure.trace import _offset_bounds
-from kernels.contract.records import BubbleReport, TraceEvent
+from kernels.contract.measure_records import BubbleReport, TraceEvent
 from lab.measure.timeline import (bubble, bubble_from_records, clock_syncs, events_from, measured_order, planned_order, simulate,
                           to_chrome_trace)
 from tests.test_bubble import WORLD, rank_runner

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 from kernels.contract.records import RecordShapeError
 from widgets import TrainingDashboard, plot_dashboard
 from widgets.training_dashboard import losses, rank_rows

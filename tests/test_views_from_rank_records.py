@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 
 import lab
 from kernels.engine.collectives import run_collectives
-from kernels.contract.records import (BubbleReport, ClockSync, CollectiveRecord, CommRecord, LayoutRecord, MemoryRecord,
-                             RankStatus, TraceEvent)
+from kernels.contract.measure_records import (BubbleReport, ClockSync, CollectiveRecord, CommRecord, LayoutRecord, MemoryRecord, TraceEvent)
+from kernels.contract.pool_records import RankStatus
 from lab.run.run_result import RunResult
 from widgets import (ClusterView, CollectiveView, MemoryView, PipelineTimeline, ShardingView, plot_cluster,
                      plot_collective, plot_memory, plot_sharding, plot_timeline)

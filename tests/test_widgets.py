@@ -8,7 +8,9 @@ import matplotlib
 import pytest
 from matplotlib.figure import Figure
 
-from kernels.contract.records import LayoutRecord, RecordShapeError
+from kernels.contract.measure_records import LayoutRecord
+from kernels.contract.records import RecordShapeError
+from kernels.contract.strategy import resolve_strategy
 from widgets import ClusterView, CollectiveView, ShardingView, plot_cluster, plot_collective, plot_sharding
 from widgets._layout import _extent, _sharding_view
 from widgets._ring import _cells_at, _collective_view, _simulate, _split
@@ -20,7 +22,7 @@ DATA_TRAITS = {"ClusterView": ["ranks", "summary"], "CollectiveView": ["records"
 
 # --- records, in the shapes the ranks really return them -------------------------------------------
 def rank_status(n: int = 4, failed: int | None = None) -> list[dict]:
-    """kernels.contract.records.RankStatus.to_dict() rows."""
+    """kernels.contract.pool_records.RankStatus.to_dict() rows."""
     return [{"rank": r, "host": f"node{r // 2}", "pid": 1000 + r, "device": "cpu", "backend": "gloo",
              "threads": 2, "state": "failed" if r == failed else "idle", "detail": "boom" if r == failed else "",
              "rss_bytes": (300 + r) * 2**20, "last_heard_s": None} for r in range(n)]
@@ -65,7 +67,8 @@ def layout_records(kind: str) -> list[dict]:
             params = {n: _param(s, [s[0] // 2] + s[1:], ["R", "S(0)"], ["dp_replicate", "dp_shard"])
                       for n, s in zip(names, shapes)}
         elif kind == "tp_replicate":  # dp=2 x tp=2 at ZeRO 0: FSDP2 on a (dp, 1) HSDP mesh, one shard per replica
-            coords, extra = {"pp": 0, "dp": r // 2, "tp": r % 2}, {"strategy": "fsdp", "zero": 2, "hybrid": True}
+            coords, extra = {"pp": 0, "dp": r // 2, "tp": r % 2}, {"strategy": "fsdp", "zero": 2, "hybrid": True,
+                                                                  "describe": resolve_strategy(dp=2, tp=2).describe()}
             axes = ["dp_replicate", "dp_shard", "tp"]
             params = {n: _param(s, [s[0] // 2] + s[1:], ["R", "_S(0, 2)", "S(0)"], axes) for n, s in zip(names, shapes)}
         elif kind == "zero1":  # dp=4 DDP, ZeroRedundancyOptimizer owns whole parameters
@@ -146,7 +149,7 @@ def test_cluster_view_state_holds_every_rank_in_order():
 
 
 def test_cluster_view_takes_rank_status_records_as_they_are():
-    from kernels.contract.records import RankStatus
+    from kernels.contract.pool_records import RankStatus
 
     view = ClusterView([RankStatus(**r) for r in rank_status(2, failed=0)])
     assert view.ranks == rank_status(2, failed=0)
@@ -418,6 +421,7 @@ def test_sharding_title_says_what_the_placements_built(kind, title):
 def test_tp_by_dp_at_zero_0_is_shown_as_replication_without_fsdp_collectives():
     # The user chose ZeRO 0; FSDP2 runs it over shards of one rank, which gather and scatter nothing.
     view = _sharding_view(layout_records("tp_replicate"))
-    assert view["title"].startswith("fsdp replicate · ZeRO-0 (whole parameters on every dp rank, gradients "
-                                    "all-reduced, as DDP) · pp=1 dp=2 tp=2 · dp_shard=1 dp_replicate=2")
+    assert view["title"].startswith("TP2×DP2, ZeRO-0 (DP through FSDP2 replicate: whole parameters, all-reduced "
+                                    "gradients, as DDP; DDP cannot take TP's DTensors) · pp=1 dp=2 tp=2 · "
+                                    "dp_shard=1 dp_replicate=2")
     assert view["zero"] == 0 and view["phases"] == [] and all(row["gathered"] == [] for row in view["rows"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.contract.records import TraceEvent
+from kernels.contract.measure_records import TraceEvent
 from lab.measure.timeline import bubble, simulate
 from tests.jupyter_browser import ARTIFACTS, browser_session, require_browser, write_code_notebook
 from tests.test_widgets import collective_records, layout_records, rank_status

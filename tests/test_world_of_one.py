@@ -8,7 +8,7 @@ from ipyparallel.error import RemoteError
 
 import lab
 from lab.run.controls import Controls
-from kernels.contract.records import RankInfo, RankMap
+from kernels.contract.pool_records import RankInfo, RankMap
 from lab.pool.supervise import Outcome, describe_failures
 from tests.conftest import start_pool
 
@@ -58,7 +58,7 @@ def test_view_and_controls_follow_a_world_of_one(solo):
     controls = Controls(lab.Experiment(solo, TINY, lab.Parallel(), global_batch=8, steps=2))
     controls.fields["zero"].value = 3
     assert not controls.button.disabled
-    assert controls.run().config["zero"] == 3 and "equal to one process" in controls.losses.value
+    assert controls.run().config["strategy"]["requested_zero"] == 3 and "equal to one process" in controls.losses.value
 
 
 def test_a_remote_error_without_type_or_message_still_says_what_is_known():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernels.contract.records import BubbleReport
+from kernels.contract.measure_records import BubbleReport
 from widgets._timeline import KINDS, _columns
 from widgets._vshape import v_path
 

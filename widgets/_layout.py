@@ -1,7 +1,7 @@
 """Pure transforms behind ShardingView: per-rank layout records -> which slice of each tensor a rank holds.
 
 A layout record is what the ranks return as ``"layout"`` (one per rank; ``RunResult.layout``
-is the list): a ``kernels.contract.records.LayoutRecord`` or its dict, checked by ``from_dict``; its
+is the list): a ``kernels.contract.measure_records.LayoutRecord`` or its dict, checked by ``from_dict``; its
 ``params`` map each name to a ``ParamLayout``. Placements are DTensor's short
 or long strings ("S(0)", "Shard(dim=0)", "_S(0, 2)" for FSDP's strided shard over a
 TP shard, "R", "Replicate()"). Without an ``offset`` the slice start is computed
@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from kernels.contract.records import LayoutRecord
+from kernels.contract.measure_records import LayoutRecord
 
 _SHARD = re.compile(r"^(_S|_StridedShard|S|Shard)\((?:dim=)?(\d+)")
 DP_AXES = ("dp", "dp_shard", "dp_replicate")  # the axes FSDP all-gathers / reduce-scatters over
@@ -159,10 +159,8 @@ def _title(first: dict[str, Any], sizes: dict[str, int], tensors: list[dict[str,
     how = Counter(", ".join(f"{a}: {p}" for a, p in zip(t["mesh_axes"], t["placements"])) for t in tensors)
     placed = f"placements [{how.most_common(1)[0][0]}]" if how and how.most_common(1)[0][0] else "plain tensors"
     owned = " · optimizer state split by parameter (ZeRO-1)" if first.get("optimizer_params") is not None else ""
-    if first.get("strategy") == "fsdp" and sizes["dp_shard"] == 1:  # TP×DP at ZeRO 0: DDP cannot take DTensors
-        how_dp = "fsdp replicate · ZeRO-0 (whole parameters on every dp rank, gradients all-reduced, as DDP)"
-    else:
-        how_dp = f"{first.get('strategy', '')} · ZeRO-{int(first.get('zero', 0) or 0)}"
+    # The ranks say in words what the user chose and what it runs as; a bare record gives its fields.
+    how_dp = first.get("describe") or f"{first.get('strategy', '')} · ZeRO-{int(first.get('zero', 0) or 0)}"
     return f"{how_dp} · {mesh} · {split} · {placed}{owned}"
 
 

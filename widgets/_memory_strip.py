@@ -1,6 +1,6 @@
 """The peak-over-time strip of MemoryView: what each rank held after each action of the traced step.
 
-Input: ``kernels.contract.records.MemorySample`` records or dicts (``RunResult.memory_timeline``), measured on
+Input: ``kernels.contract.measure_records.MemorySample`` records or dicts (``RunResult.memory_timeline``), measured on
 the ranks by ``kernels.measure.memory_timeline``. The state is JSON only, one row per rank: sample times in ms
 from the step's first sample, the four categories' bytes stacked in MemoryView's order, a short label
 per sample ("F mb3 s1", "optimizer") and the rank's peak. Every rank shares one time axis and one
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.contract.records import MemorySample
+from kernels.contract.measure_records import MemorySample
 
 STACK = ("params", "grads", "optimizer", "activations")  # bottom up, as MemoryView's bars
 TITLE = "memory over the traced step, per rank (measured after each action)"

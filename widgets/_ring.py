@@ -17,7 +17,7 @@ import copy
 import math
 from typing import Any
 
-from kernels.contract.records import CollectiveRecord
+from kernels.contract.measure_records import CollectiveRecord
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 

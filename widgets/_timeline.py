@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernels.contract.records import BubbleReport, TraceEvent
+from kernels.contract.measure_records import BubbleReport, TraceEvent
 from kernels.contract.schedule_simulation import lay_out
 from widgets._vshape import v_path
 

@@ -1,6 +1,6 @@
 """ClusterView: the ranks as a live grid, one card per rank, grouped by host.
 
-Input: ``kernels.contract.records.RankStatus`` records or their ``to_dict()`` dicts (checked by
+Input: ``kernels.contract.pool_records.RankStatus`` records or their ``to_dict()`` dicts (checked by
 ``RankStatus.from_dict``), with state one of idle | busy | failed | dead (failed and dead
 are drawn red). ``update(ranks)`` replaces the trait, so the view redraws live.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from kernels.contract.records import RankStatus
+from kernels.contract.pool_records import RankStatus
 from widgets._esm import view_module
 
 _STATIC = pathlib.Path(__file__).parent / "static"

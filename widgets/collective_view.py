@@ -1,7 +1,7 @@
 """CollectiveView: the ranks' real collective results, stepped through as a ring animation.
 
 Input: the records ``kernels.engine.collectives.run_collectives()`` returns on every rank:
-``kernels.contract.records.CollectiveRecord`` dicts (checked by its ``from_dict``) or records, a
+``kernels.contract.measure_records.CollectiveRecord`` dicts (checked by its ``from_dict``) or records, a
 flat list or one list per rank as ``cluster.run`` gives them. ``widgets._ring`` replays
 the ring algorithm on the real inputs; a twin whose final values differ from the real
 outputs is shown in red (``.cl-mismatch``), never hidden.

@@ -1,6 +1,6 @@
 """MemoryView: what each rank holds, by category, measured beside predicted (docs/design.md#memory-categories).
 
-Input: ``kernels.contract.records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
+Input: ``kernels.contract.measure_records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
 allocator's view of the same tensors) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
@@ -20,7 +20,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from kernels.contract.records import MemoryRecord
+from kernels.contract.measure_records import MemoryRecord
 from widgets._esm import view_module
 from widgets._memory_strip import draw_strip, fmt_bytes, strip_state
 

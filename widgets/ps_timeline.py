@@ -1,6 +1,6 @@
 """PSTimeline: each rank's pull / compute / push (workers) and apply (servers) spans on one time axis.
 
-Input: ``kernels.contract.records.PSSpan`` records or their dicts (``PSResult.ps_events()``), checked
+Input: ``kernels.contract.ps_records.PSSpan`` records or their dicts (``PSResult.ps_events()``), checked
 by ``from_dict``. A sibling of ``PipelineTimeline`` for the parameter server: one lane per rank,
 time from the first span. The matplotlib twins draw the same lanes (``plot_ps_timeline``), the
 staleness histogram (``plot_staleness``) and loss curves against step or seconds (``plot_losses``).
@@ -13,7 +13,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from kernels.contract.records import SPAN_KINDS, PSSpan
+from kernels.contract.ps_records import SPAN_KINDS, PSSpan
 from widgets._esm import view_module
 
 _STATIC = pathlib.Path(__file__).parent / "static"

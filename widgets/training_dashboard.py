@@ -1,6 +1,6 @@
 """TrainingDashboard: every rank of a run at once, live or replayed, from ``StepProgress`` records.
 
-Input: ``kernels.contract.records.StepProgress`` records or their dicts (checked with
+Input: ``kernels.contract.watch_records.StepProgress`` records or their dicts (checked with
 ``from_dict``), plus, while a run goes, when the driver last heard from each rank. Shown:
 the loss per step; per rank a strip of step times (one cell per step, darker = slower),
 compute against waiting in collectives, memory, and the age of the last record, which
@@ -18,7 +18,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 from widgets._esm import view_module
 
 _STATIC = pathlib.Path(__file__).parent / "static"

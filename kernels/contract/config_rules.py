@@ -18,6 +18,7 @@ Try it alone (prints the problems of a few odd values)::
 """
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -135,14 +136,21 @@ def adamw_problems(lr: Any, betas: Any = (0.9, 0.95), eps: Any = 1e-8, weight_de
              "and betas two numbers in [0, 1)")] if bad else []
 
 
-OPTIMIZERS = ("adamw", "sgd")  # torch.optim.AdamW with the lab's settings, or plain SGD at the same lr
+class Optimizer(enum.StrEnum):
+    """The optimizers a run trains with (``kernels.train.optimizer`` maps each to torch's class)."""
+
+    ADAMW = "adamw"  # torch.optim.AdamW with the lab's settings
+    SGD = "sgd"  # plain SGD at the same lr
+
+
+OPTIMIZERS = tuple(Optimizer)
 
 
 def optimizer_problems(optimizer: Any) -> list[Problem]:
     """[optimizer]: one of OPTIMIZERS."""
     if isinstance(optimizer, str) and optimizer in OPTIMIZERS:
         return []
-    return [("optimizer", f"optimizer {optimizer!r} is not supported; choose one of {OPTIMIZERS}")]
+    return [("optimizer", f"optimizer {optimizer!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")]
 
 
 def measuring_problems(pp: Any, trace: Any, synthetic_forward_s: Any) -> list[Problem]:

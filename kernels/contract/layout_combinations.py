@@ -3,7 +3,7 @@
 One rule set for both sides. ``lab.Parallel`` checks a layout with these before anything
 is launched; the ranks check the same ones as they read a run config
 (``kernels.contract.run_config.run_problems``) and as they resolve it to a strategy
-(``kernels.parallel.strategy.resolve_strategy``), and ``apply_tp`` checks the model's
+(``kernels.contract.strategy``), and ``apply_tp`` checks the model's
 sizes with ``tp_split_problems``. So a layout is accepted by both sides or refused by
 both, under one rule name (tests/test_layout_agreement.py walks a grid of layouts).
 Each function assumes the fields are each sane (``kernels.contract.config_rules``).

@@ -33,15 +33,28 @@ Every rule that can fail returns ``(rule name, message)`` pairs; the names are t
 """
 from __future__ import annotations
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                              "interleaved_zero_bubble", "zbv", "dualpipev")
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank (torch's PipelineScheduleSingle)
-LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")  # stages r, r+p, ...
-V_SCHEDULES = ("zbv", "dualpipev")  # stages r and 2p-1-r: rank 0 holds the first and the last stage
+import enum
+
+class Schedule(enum.StrEnum):
+    """torch.distributed.pipelining's schedules, by the names the lab uses (a str: "1f1b" == Schedule.ONE_F_ONE_B)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    LOOPED_BFS = "looped_bfs"
+    INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
+
+
+SCHEDULES: tuple[Schedule, ...] = tuple(Schedule)
+SINGLE_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)  # one stage per rank (torch's PipelineScheduleSingle)
+LOOPED_SCHEDULES = (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS, Schedule.INTERLEAVED_ZERO_BUBBLE)  # stages r, r+p, ...
+V_SCHEDULES = (Schedule.ZBV, Schedule.DUALPIPEV)  # stages r and 2p-1-r: rank 0 holds the first and the last stage
 # torch runs these in rounds of max(1, m // p) micro-batches, and m must fill whole rounds.
-ROUND_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
+ROUND_SCHEDULES = (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE)
 # The bubble has the closed form (p-1)/(v*m+p-1) only for these (v = 1 for the single-stage two).
-CLOSED_FORM_BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+CLOSED_FORM_BUBBLE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS)
 
 MESH_AXES = ("pp", "dp", "tp")  # the default rank order over the mesh axes, outermost first
 
@@ -65,12 +78,12 @@ def _key(name: str) -> str:
 _SCHEDULE_KEYS = {**{_key(s): s for s in SCHEDULES}, **_SCHEDULE_ALIASES}
 
 
-def canonical_schedule(name: str) -> str:
-    """The schedule's name in ``SCHEDULES`` for any spelling ("Interleaved1F1B", "ScheduleGPipe", "zbv")."""
+def canonical_schedule(name: str) -> Schedule:
+    """The ``Schedule`` any spelling names ("Interleaved1F1B", "ScheduleGPipe", "zbv")."""
     key = _key(name)
     if key not in _SCHEDULE_KEYS:
         raise ValueError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
-    return _SCHEDULE_KEYS[key]
+    return Schedule(_SCHEDULE_KEYS[key])
 
 
 def default_stages_per_rank(schedule: str) -> int:
@@ -132,10 +145,10 @@ def microbatch_problems(schedule: str, pp: int, stages_per_rank: int, microbatch
     if m < 1:
         return [("positive-sizes", f"microbatches={m} must be positive")]
     out = []
-    if m < p and not (s == "gpipe" and m == 1):
+    if m < p and not (s == Schedule.GPIPE and m == 1):
         out.append(("pp-microbatches", f"microbatches={m} must be at least pp={p} "
                     "(or exactly 1 with gpipe: naive model parallelism)"))
-    if s in ("1f1b", "dualpipev") and m < p * v:
+    if s in (Schedule.ONE_F_ONE_B, Schedule.DUALPIPEV) and m < p * v:
         out.append((f"{s}-microbatches", f"{s} needs microbatches={m} >= number of stages={p * v}"))
     if s in ROUND_SCHEDULES and m % max(1, m // p):
         out.append(("interleaved-rounds", f"{s} needs microbatches={m} to be a multiple "
@@ -145,7 +158,7 @@ def microbatch_problems(schedule: str, pp: int, stages_per_rank: int, microbatch
 
 def default_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
     """Micro-batches when none is given: pp (1 without a pipeline), the stage count for DualPipeV."""
-    return pp * stages_per_rank if schedule == "dualpipev" else pp
+    return pp * stages_per_rank if schedule == Schedule.DUALPIPEV else pp
 
 
 def bubble_theory(schedule: str, pp: int, microbatches: int,

@@ -28,7 +28,7 @@ from typing import Any
 from IPython import get_ipython
 from IPython.utils.capture import capture_output
 
-from kernels.contract.records import CellOutput
+from kernels.contract.pool_records import CellOutput
 
 _last_output: CellOutput | None = None  # this rank's last cell, kept for the driver after a failure
 _SILENT_TOKENS = {tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT,

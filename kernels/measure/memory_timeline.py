@@ -103,7 +103,7 @@ class MemorySampler:
             "activations": self.live.bytes, "cuda_allocated": cuda, "step": self.step}))
 
     def records(self, clock_sync: dict | None = None) -> list[dict[str, Any]]:
-        """``kernels.contract.records.MemorySample`` dicts, ``t`` in seconds since rank 0's epoch (as the trace's events)."""
+        """``kernels.contract.measure_records.MemorySample`` dicts, ``t`` in seconds since rank 0's epoch (as the trace's events)."""
         sync = clock_sync or {"offset": 0.0, "epoch": 0.0}
         shift = sync["offset"] + sync["epoch"]
         return [{**fields, "t": self.clock.resolve(mark) - shift} for mark, fields in self._raw]

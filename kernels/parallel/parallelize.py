@@ -32,7 +32,7 @@ from kernels.parallel.autocast import apply_autocast
 from kernels.parallel.compile_blocks import apply_compile
 from kernels.parallel.ddp import apply_ddp
 from kernels.parallel.fsdp import apply_fsdp
-from kernels.parallel.strategy import GradSync, Strategy
+from kernels.contract.strategy import GradSync, Strategy
 from kernels.parallel.tensor_parallel import apply_tp
 
 

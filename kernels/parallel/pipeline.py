@@ -43,18 +43,19 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble)
 
 from kernels.contract import layout_rules
+from kernels.contract.layout_rules import Schedule
 from kernels.model.gpt import GPTConfig, build_gpt, keep_stage
 
 # gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
 # Names and placement families: kernels.contract.layout_rules.
 SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    Schedule.LOOPED_BFS: ScheduleLoopedBFS,
+    Schedule.INTERLEAVED_ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
+    Schedule.ZBV: ScheduleZBVZeroBubble,
+    Schedule.DUALPIPEV: ScheduleDualPipeV,
 }
 
 

@@ -32,7 +32,7 @@ import torch
 from torch.futures import Future
 
 from kernels.train.optimizer import build_optimizer
-from kernels.contract.records import PSSpan
+from kernels.contract.ps_records import PSSpan
 from kernels.contract.run_config import RunConfig
 
 MODES = ("sync", "async", "bounded")

@@ -46,8 +46,9 @@ from kernels.model.gpt import build_gpt, loss_fn, model_config
 from kernels.watch.collective_log import CollectiveLog
 from kernels.ps.parameter_server import ShardServer, split_by_bytes
 from kernels.ps.ps_watch import PUSH_GROUP, logged_barrier, ps_watch
-from kernels.contract.records import PSSpan
+from kernels.contract.ps_records import PSSpan
 from kernels.contract.run_config import RunConfig
+from kernels.contract.strategy import resolve_strategy
 
 PEER_FAILED = "a peer rank failed"  # lab.pool.supervise counts errors naming it as collateral, not as the cause
 ABORT_TIMEOUT_S = 5.0  # a failing worker tells the servers; one that is gone already does not answer
@@ -86,7 +87,7 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Serve or work per ``cfg`` (``lab.ps.parameter_server.ParameterServer.rank_config``); returns this rank's record."""
     global _local_server
     rank, world = dist.get_rank(), dist.get_world_size()
-    run, servers = RunConfig.from_dict(cfg["run"]), int(cfg["servers"])
+    run, servers = RunConfig.from_options(cfg["run"]), int(cfg["servers"])
     link = cfg["rpc"]
     ps_rpc.start_rpc(rank, world, link["master_addr"], link["port"], link["bind_addrs"][rank], link["timeout_s"])
     try:
@@ -238,7 +239,7 @@ def _selftest(rank: int, world: int, port: int, rpc_port_box: Any) -> None:
     else:
         rpc_port = rpc_port_box.get()
     run = RunConfig(model={"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "vocab": 64, "seq_len": 16},
-                    dp=world - 1, steps=3, global_batch=6)
+                    strategy=resolve_strategy(dp=world - 1), steps=3, global_batch=6)
     out = ps_rank({"run": run.to_dict(), "servers": 1, "mode": "sync", "max_staleness": None, "faults": [],
                    "rpc": {"master_addr": "127.0.0.1", "port": rpc_port, "bind_addrs": ["127.0.0.1"] * world,
                            "timeout_s": 60}})

@@ -45,7 +45,7 @@ def compare_gradient_averaging(cfg: dict[str, Any]) -> dict[str, Any]:
     the norms of each gradient and the largest element-wise differences.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = RunConfig.from_dict(cfg)
+    run = RunConfig.from_options(cfg)
     inputs, targets = dataset(run).global_batch(0, run.global_batch)  # (B, T)
     indices = torch.arange(inputs.size(0))
     mine = indices[rank::world].tolist()  # what shard_batch takes, as DistributedSampler(shuffle=False) does

@@ -51,6 +51,10 @@ from kernels.train.train_loop import train_loop
 def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
     """Resume (when asked), train the run's steps and save as it goes; returns the records."""
     run = build.run
+    everyone = dist.get_world_size()
+    if (run.checkpoint_dir or run.resume_from) and (run.world_size or everyone) != everyone:
+        raise ValueError("checkpoints are saved and loaded by every rank of the process group: run on all of them "
+                         f"(world_size={run.world_size} of {everyone})")
     ckpt = RunCheckpoints(run, build.params_module, build.optimizer, build.strategy)
     first = ckpt.resume()
     probe, tracer = build.probes()
@@ -90,7 +94,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     mesh sub-groups and frees the run's objects before it returns, so runs on a warm
     pool leave only the default group behind and memory does not creep.
     """
-    run = RunConfig.from_dict(cfg)
+    run = RunConfig.from_options(cfg)
     build = RankBuild(run)  # group creation is collective over every rank of the process group, in the mesh or not
     try:
         if build.idle:  # beyond world_size: no part in this run
@@ -126,7 +130,7 @@ def measure_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     """The torchrun CLI's RunConfig."""
     p = argparse.ArgumentParser(description="Train the tiny GPT under one layout (run under torchrun).")
-    for name, default in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0), ("microbatches", 1), ("steps", 3),
+    for name, default in (("dp", 1), ("tp", 1), ("pp", 1), ("zero", 0), ("microbatches", None), ("steps", 3),
                           ("global-batch", 8), ("layers", 2), ("d-model", 32), ("heads", 4), ("d-ff", 64),
                           ("vocab", 64), ("seq-len", 16), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
@@ -144,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         p.add_argument(f"--{flag}", action="store_true")
     a = vars(p.parse_args(argv))
     model = {k: a.pop(k) for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len")}
-    return RunConfig(model=model, return_params=False, **a)
+    return RunConfig.from_options({"model": model, "return_params": False, **a})
 
 
 def main(argv: list[str] | None = None) -> None:

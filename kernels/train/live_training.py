@@ -30,13 +30,13 @@ from typing import Any
 import torch.distributed as dist
 
 from kernels.engine import runtime
-from kernels.checkpoint.async_save import AsyncSaver
 from kernels.checkpoint.save_load import load_checkpoint, save_checkpoint
-from kernels.checkpoint.files import read_meta, step_dir
+from kernels.checkpoint.files import read_meta
 from kernels.parallel.mesh import dp_group
 from kernels.train.run_build import RankBuild
-from kernels.train.run_checkpoints import checkpoint_meta, save_due, settle_ddp_buckets
+from kernels.train.run_checkpoints import RunCheckpoints, checkpoint_meta, settle_ddp_buckets
 from kernels.contract.run_config import RunConfig
+from kernels.contract.strategy import resolve_strategy
 from kernels.train.step_hooks import StepHooks
 from kernels.train.train_loop import train_loop
 
@@ -56,8 +56,9 @@ class LiveTraining:
         # The ranks of the layout, for checkpoints (None: the whole world). Collective: every rank creates it.
         size = self.build.dims.world_size
         self.group = dist.new_group(list(range(size))) if size < dist.get_world_size() else None
-        # checkpoint_async: the saves advance() makes are written in the background (its own group, also collective).
-        self.saver = AsyncSaver(list(range(size))) if run.checkpoint_dir and run.checkpoint_async else None
+        # The saves advance() makes, as a one-call run makes them (with checkpoint_async, its saver's group is collective).
+        self.checkpoints = RunCheckpoints(run, self.build.params_module, self.build.optimizer, self.build.strategy,
+                                          ranks=list(range(size)), group=self.group)
 
     def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
         """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.
@@ -72,22 +73,15 @@ class LiveTraining:
             return {"losses": [], "grad_norms": [], "step_times": [], "params": {}, "first_step": first,
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         probe, tracer = build.probes()
-        so_far: list = []  # this call's losses, as tensors: read only when a save needs them
-
-        def save_when_due(step: int, loss) -> None:  # run_checkpoints' cadence and meta, as an Experiment's run
-            so_far.append(loss)
-            done = first + step + 1
-            if self.run.checkpoint_dir and save_due(done, first + steps, self.run.checkpoint_every):
-                self._save_at(done, self.losses + [float(x) for x in so_far])
-
+        self.checkpoints.segment(first, first + steps, self.losses)
         losses, times, norms = train_loop(build.step_fn, build.optimizer, build.batches(first, steps),
                                           dp=build.dims.dp, dp_group=dp_group(build.mesh),
                                           hooks=StepHooks(steps, probe, tracer),
-                                          record_grad_norm=self.run.record_grad_norm, on_step=save_when_due)
+                                          record_grad_norm=self.run.record_grad_norm,
+                                          on_step=self.checkpoints.after_step)
         self.next_step += steps
         self.losses += losses
-        if self.saver is not None:  # the call returns once its checkpoints are complete, as an Experiment's run
-            self.saver.wait()
+        self.checkpoints.wait()  # the call returns once its checkpoints are complete, as a one-call run
         out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
                **build.records(return_params)}
         if probe is not None:
@@ -96,25 +90,14 @@ class LiveTraining:
             out["trace"] = build.trace_record(tracer)
         return out
 
-    def _meta(self, done: int, losses: list[float]) -> dict[str, Any]:
-        """``kernels.train.run_checkpoints.checkpoint_meta`` for this training after ``done`` steps, with every loss."""
-        return checkpoint_meta(self.run, self.build.strategy, done, self.build.dims.world_size,
-                               losses[-1] if losses else None, losses)
-
-    def _save_at(self, done: int, losses: list[float]) -> None:
-        """A save ``advance`` makes after ``done`` steps: in the background with ``checkpoint_async``, else now."""
-        path, meta = str(step_dir(self.run.checkpoint_dir, done)), self._meta(done, losses)
-        if self.saver is None:
-            save_checkpoint(path, self.build.params_module, self.build.optimizer, meta, process_group=self.group)
-        else:
-            self.saver.save(path, self.build.params_module, self.build.optimizer, meta)
 
     def save(self, path: str, meta: dict[str, Any], *, optimizer_settings: bool = True) -> None:
         """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``), where the run stands."""
         if not self.idle:
-            save_checkpoint(path, self.build.params_module, self.build.optimizer,
-                            {**meta, **self._meta(self.next_step, self.losses)}, process_group=self.group,
-                            optimizer_settings=optimizer_settings)
+            where = checkpoint_meta(self.run, self.build.strategy, self.next_step, self.build.dims.world_size,
+                                    self.losses[-1] if self.losses else None, self.losses)
+            save_checkpoint(path, self.build.params_module, self.build.optimizer, {**meta, **where},
+                            process_group=self.group, optimizer_settings=optimizer_settings)
 
     def load(self, path: str, *, optimizer_settings: bool = True) -> dict[str, Any]:
         """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
@@ -131,12 +114,11 @@ class LiveTraining:
 
     def close(self) -> None:
         """Destroy this training's groups and drop its objects (their reference cycles collected)."""
-        if self.saver is not None:  # its last save finished (and named) while the groups still exist
-            self.saver.close()
+        self.checkpoints.close()  # its last save finished (and named) while the groups still exist
         self.build.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
-        del self.build, self.group, self.saver
+        del self.build, self.group, self.checkpoints
         gc.collect()
 
 
@@ -150,7 +132,7 @@ def open_training(key: str, cfg: dict[str, Any], *, next_step: int = 0, losses: 
     """
     close_training(key)
     _freeze_long_lived()
-    live = LiveTraining(RunConfig.from_dict(cfg))
+    live = LiveTraining(RunConfig.from_options(cfg))
     live.next_step, live.losses = next_step, list(losses or [])
     _held[key] = live
     return dist.get_rank()
@@ -241,7 +223,8 @@ def _main() -> None:
     from kernels.train.entry import train_rank
     dist.init_process_group("gloo")
     try:
-        cfg = RunConfig(model={"layers": 2}, dp=2, tp=2, steps=4, return_params=False).to_dict()
+        cfg = RunConfig(model={"layers": 2}, strategy=resolve_strategy(dp=2, tp=2), steps=4,
+                        return_params=False).to_dict()
         open_training("demo", cfg)
         held_losses = advance("demo", 2)["losses"] + advance("demo", 2)["losses"]
         close_training("demo")

@@ -1,6 +1,6 @@
 """The run's optimizer: one builder for the one-process reference, every layout and the parameter servers.
 
-``RunConfig.optimizer`` names it ("adamw" or "sgd", ``kernels.contract.config_rules.OPTIMIZERS``) and
+``RunConfig.optimizer`` names it (``kernels.contract.config_rules.Optimizer``) and
 ``RunConfig.optimizer_kwargs`` gives its settings; this module maps the name to torch's class,
 so that no path can build one optimizer while the reference builds another.
 """
@@ -10,9 +10,11 @@ from collections.abc import Iterable
 
 import torch
 
+from kernels.contract.config_rules import Optimizer
 from kernels.contract.run_config import RunConfig
 
-CLASSES: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+CLASSES: dict[Optimizer, type[torch.optim.Optimizer]] = {Optimizer.ADAMW: torch.optim.AdamW,
+                                                          Optimizer.SGD: torch.optim.SGD}
 
 
 def optimizer_class(run: RunConfig) -> type[torch.optim.Optimizer]:

@@ -28,7 +28,6 @@ from kernels.train.data import dataset, microbatches
 from kernels.model.gpt import build_gpt, loss_fn, model_config
 from kernels.train.optimizer import build_optimizer
 from kernels.parallel.autocast import apply_autocast
-from kernels.parallel.strategy import run_strategy
 from kernels.contract.run_config import RunConfig
 
 
@@ -37,7 +36,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
 
     ``{"losses": [float], "grad_norms": [float], "params": {name: fp32 tensor}}``.
 
-    ``run.microbatches`` > 1 accumulates gradients as the layouts do (it does not
+    ``run.strategy.microbatches`` > 1 accumulates gradients as the layouts do (it does not
     change the maths, only the summation order). ``run.resume_from`` starts from a
     checkpoint any layout saved (or a safetensors file), at its step: the one process
     reads the whole model and optimizer state.
@@ -46,11 +45,11 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     optimizer = build_optimizer(model.parameters(), run)
     first = resume_point(run, model, optimizer)
     data = dataset(run)
-    autocast = run_strategy(run)[1].autocast
+    autocast = run.strategy.autocast
     if autocast:
         apply_autocast(model, "cpu")
-    fsdp_bf16 = run.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
-    n_micro = (run.microbatches or 1) if run.pp == 1 else 1
+    fsdp_bf16 = run.strategy.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
+    n_micro = run.strategy.microbatches if run.strategy.pp == 1 else 1
     losses, norms = [], []
     for step in range(first, run.steps):
         inputs, targets = data.global_batch(step, run.global_batch)  # (B, T) each

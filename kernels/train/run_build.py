@@ -1,7 +1,7 @@
 """One rank's part of a layout, built once: mesh, parallelized model or pipeline stages, optimizer, step function.
 
 The run config (a ``kernels.contract.run_config.RunConfig``) resolves to one frozen ``Strategy``
-(``kernels.parallel.strategy``); ``kernels.parallel.parallelize.parallelize`` applies it
+(``kernels.contract.strategy``); ``kernels.parallel.parallelize.parallelize`` applies it
 (TP -> AC -> FSDP or DDP) to the whole model, or with pp > 1 to each pipeline stage
 (``kernels.parallel.pipeline``). ``RankBuild`` holds what that yields, and the records
 that describe it, for the two callers that train it: ``kernels.train.entry.train_rank`` (one
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kernels.contract import layout_rules
+from kernels.contract.strategy import GradSync, Strategy
 from kernels.engine import runtime
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
@@ -33,7 +34,6 @@ from kernels.parallel.fsdp import describe_params, full_parameters
 from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, destroy_mesh_groups, dp_group, dp_rank,
                                    pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
-from kernels.parallel.strategy import GradSync, Strategy, run_strategy
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import PipelineTracer
@@ -41,10 +41,12 @@ from kernels.train.train_loop import FlatStep, PipelineStep
 
 
 def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
-    """The mesh sizes and the Strategy ``run`` means on ``world_size`` ranks of the process group."""
+    """The mesh sizes of ``run``'s Strategy on ``world_size`` ranks of the process group, and the Strategy."""
     if dist.is_initialized() and world_size > dist.get_world_size():
         raise ValueError(f"world_size={world_size} is more than the {dist.get_world_size()} ranks of the process group")
-    return run_strategy(run, world_size)
+    s = run.strategy
+    return ParallelDims(dp=s.dp, tp=s.tp, pp=s.pp, world_size=world_size, dp_replicate=s.dp_replicate,
+                        order=s.mesh_order), s
 
 
 def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
@@ -75,7 +77,7 @@ class RankBuild:
         self.mesh = build_mesh(self.dims, self.device.type)  # collective over every rank of the process group
         self.dp_mesh = build_hsdp_mesh(self.dims, self.device.type) if self.strategy.hybrid else None
         self.idle = self.mesh.get_coordinate() is None
-        self.model = self.pipe = None
+        self.model = self.pipe = self.params_module = self.optimizer = None  # an idle rank holds nothing
         if not self.idle:
             self._build_pipeline() if self.dims.pp > 1 else self._build_flat()
 
@@ -130,13 +132,14 @@ class RankBuild:
             pipe, layers = self.pipe, model_config(self.run).layers
             layout = {"rank": rank, "coords": dims.coords(rank), "strategy": f"pp-{pipe.schedule_name}",
                       "dp_strategy": strategy.kind, "zero": strategy.zero, "hybrid": strategy.hybrid,
+                      "describe": strategy.describe(),
                       "schedule": pipe.schedule_name, "stage_ids": list(pipe.stage_ids),
                       "stage_layers": {str(s): list(layout_rules.layer_split(layers, pipe.num_stages, s))
                                        for s in pipe.stage_ids},
                       "params": {k: v for module in pipe.modules for k, v in describe_params(module).items()}}
         else:
             layout = {"rank": rank, "coords": dims.coords(rank), "strategy": strategy.kind, "zero": strategy.zero,
-                      "hybrid": strategy.hybrid, "params": describe_params(self.params_module)}
+                      "hybrid": strategy.hybrid, "describe": strategy.describe(), "params": describe_params(self.params_module)}
         if strategy.grad_sync is GradSync.ZERO1:  # a stage list's names are "<index>.<parameter name>"
             owned = owned_parameters(self.optimizer, self.params_module)
             layout["optimizer_params"] = [n.split(".", 1)[1] for n in owned] if self.pipe else owned
@@ -159,11 +162,11 @@ class RankBuild:
     def _activation_sizes(self) -> dict[str, Any]:
         """What ``kernels.contract.activation_rules`` needs to predict the measured activations by part: the model's sizes,
         the micro-batch and the flags that change what is saved."""
-        run = self.run
+        run, s = self.run, self.strategy
         return {"model": dataclasses.asdict(model_config(run)),
-                "micro_batch": run.global_batch // (self.dims.dp * self.strategy.microbatches),
-                "activation_checkpointing": run.activation_checkpointing, "mixed_precision": run.mixed_precision,
-                "sequence_parallel": run.sequence_parallel}
+                "micro_batch": run.global_batch // (self.dims.dp * s.microbatches),
+                "activation_checkpointing": s.activation_checkpointing, "mixed_precision": s.mixed_precision,
+                "sequence_parallel": s.sequence_parallel}
 
     def trace_record(self, tracer: PipelineTracer) -> dict[str, Any]:
         """The pipeline tracer's record of this rank's place in the mesh."""

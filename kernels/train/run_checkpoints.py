@@ -1,7 +1,10 @@
 """A run's checkpoints on the ranks: resume before the first step, save every K steps and after the last.
 
-Built by ``kernels.train.entry`` from the run config's ``checkpoint_dir``, ``checkpoint_every``,
-``resume_from`` and ``checkpoint_async`` (all off by default: then it does nothing).
+Built from the run config's ``checkpoint_dir``, ``checkpoint_every``, ``resume_from`` and
+``checkpoint_async`` (all off by default: then it does nothing) by both drivers of the loop:
+``kernels.train.entry`` for a run in one call, and ``kernels.train.live_training`` for a
+training held between calls, whose every ``advance`` is one segment (``RunCheckpoints.segment``).
+So both save at the same steps (``save_due``), with the same meta (``checkpoint_meta``), the same way.
 Batches are a pure function of (seed, step) (``kernels.train.data``), so the data position is
 the step count: a run resumed at step k feeds batch k next, as the uninterrupted run
 did. With the model, the AdamW state (step counts included) and each rank's RNG state
@@ -28,7 +31,7 @@ from kernels.train.batches import BatchStream
 from kernels.checkpoint.async_save import AsyncSaver
 from kernels.checkpoint.save_load import load_checkpoint, load_weights, save_checkpoint
 from kernels.checkpoint.files import WEIGHTS_SUFFIX, resolve, step_dir
-from kernels.parallel.strategy import Strategy
+from kernels.contract.strategy import Strategy
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import StepHooks
 
@@ -57,17 +60,23 @@ def checkpoint_meta(run: RunConfig, strategy: Strategy, done: int, world_size: i
 
 
 class RunCheckpoints:
-    """The run's saves and its resume point; ``model`` is the GPT or the list of this rank's pipeline stages."""
+    """The run's saves and its resume point; ``model`` is the GPT or the list of this rank's pipeline stages.
 
-    def __init__(self, run: RunConfig, model: nn.Module, optimizer, strategy: Strategy) -> None:
-        self.run, self.model, self.optimizer = run, model, optimizer
-        everyone = dist.get_world_size()
-        if (run.checkpoint_dir or run.resume_from) and (run.world_size or everyone) != everyone:
-            raise ValueError("checkpoints are saved and loaded by every rank of the process group: run on all of them "
-                             f"(world_size={run.world_size} of {everyone})")
-        self.strategy = strategy
-        self.first_step, self.load_seconds = 0, 0.0
-        self.saver = AsyncSaver() if run.checkpoint_dir and run.checkpoint_async else None
+    ``ranks`` are the layout's when it trains on fewer than the whole world (a held training;
+    None: every rank), and ``group`` is their process group (None on a rank outside them). A one-call run trains steps ``first_step`` to
+    ``run.steps``; a held training sets each call's span and its losses so far with ``segment``.
+    """
+
+    def __init__(self, run: RunConfig, model: nn.Module | None, optimizer, strategy: Strategy, *,
+                 ranks: list[int] | None = None, group: dist.ProcessGroup | None = None) -> None:
+        self.run, self.model, self.optimizer, self.strategy, self.group = run, model, optimizer, strategy, group
+        self.first_step, self.last_step, self.load_seconds = 0, run.steps, 0.0
+        self.history: list | None = None  # a held training's losses (floats, then this call's tensors)
+        self.saver = AsyncSaver(ranks) if run.checkpoint_dir and run.checkpoint_async else None
+
+    def segment(self, first: int, last: int, losses: list[float]) -> None:
+        """A held training's next call trains steps ``first`` to ``last``; its checkpoints carry ``losses`` so far too."""
+        self.first_step, self.last_step, self.history = first, last, list(losses)
 
     def resume(self) -> int:
         """Load ``resume_from`` (a step directory, a checkpoint directory's latest, or a safetensors file).
@@ -89,17 +98,25 @@ class RunCheckpoints:
         return {"first_step": self.first_step, "load_seconds": self.load_seconds}
 
     def after_step(self, step: int, loss: torch.Tensor) -> None:
-        """After local step ``step`` (0-based, counted from the resume point): save when one is due."""
+        """After local step ``step`` (0-based, counted from the segment's first step): save when one is due."""
         done = self.first_step + step + 1  # steps completed, counted from the start of training
+        if self.history is not None:
+            self.history.append(loss)  # a tensor: read only when a save needs it
         root = self.run.checkpoint_dir
-        if not root or not save_due(done, self.run.steps, self.run.checkpoint_every):
+        if not root or not save_due(done, self.last_step, self.run.checkpoint_every):
             return
-        meta = checkpoint_meta(self.run, self.strategy, done, dist.get_world_size(), float(loss))
+        losses = None if self.history is None else [float(x) for x in self.history]
+        meta = checkpoint_meta(self.run, self.strategy, done, dist.get_world_size(self.group), float(loss), losses)
         path = str(step_dir(root, done))
         if self.saver is not None:
             self.saver.save(path, self.model, self.optimizer, meta)
         else:
-            save_checkpoint(path, self.model, self.optimizer, meta)
+            save_checkpoint(path, self.model, self.optimizer, meta, process_group=self.group)
+
+    def wait(self) -> None:
+        """Return once every save so far is complete (a held training's call ends with its checkpoints named)."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def close(self) -> None:
         """Finish an asynchronous save still in flight, so the run returns only once its checkpoints are named."""

@@ -55,7 +55,7 @@ class PipelineTracer:
         self.rec = TraceRecorder(rank, device, cpu_clock=self.synthetic is not None)
         self.sync: dict | None = None
         if model is not None:  # memory along the step (kernels.measure.memory_timeline); compiled code keeps its own saves
-            self.rec.sampler = None if run.compile else MemorySampler(model, optimizer, device, self.rec.clock, rank)
+            self.rec.sampler = None if run.strategy.compile else MemorySampler(model, optimizer, device, self.rec.clock, rank)
 
     def begin(self, step: int) -> None:
         """Align the clocks (every rank of the default group), then start the step together."""

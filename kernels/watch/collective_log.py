@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from kernels.contract.records import OpenCollective, RankActivity, StepWait
+from kernels.contract.watch_records import OpenCollective, RankActivity, StepWait
 
 SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
 MAX_OPEN = 8  # oldest open collectives kept in a snapshot (the one a rank is stuck behind is the oldest)

@@ -28,9 +28,12 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+from kernels.contract.faults import Fault, FaultKind
 
 HANG_SLICE_S = 0.05  # a hung rank sleeps in slices this long, so an interrupt ends it at once
 
@@ -70,46 +73,39 @@ def _sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def faults_for(faults: tuple[dict[str, Any], ...] | list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
-    """The faults that act on ``rank``."""
-    return [f for f in faults if f["rank"] == rank]
+def faults_for(faults: Iterable[Fault | Mapping[str, Any]], rank: int) -> list[Fault]:
+    """The faults that act on ``rank`` (records, or their dicts)."""
+    return [f for f in map(Fault.coerce, faults) if f.rank == rank]
 
 
-def pacing_for(faults: list[dict[str, Any]], synthetic_forward_s: float | None) -> Pacing:
+def pacing_for(faults: list[Fault], synthetic_forward_s: float | None) -> Pacing:
     """This rank's pacing: the product of its Slow factors, on real or synthetic time."""
     factor = 1.0
     for f in faults:
-        if f["kind"] == "slow":
-            factor *= float(f["factor"])
+        if f.kind is FaultKind.SLOW:
+            factor *= float(f.factor)
     return Pacing(factor, synthetic_forward_s)
 
 
-def describe(fault: dict[str, Any]) -> str:
-    """ "Slow(rank=2, factor=2.0)", "Hang(rank=1, at_step=2)"."""
-    args = ", ".join(f"{k}={v}" for k, v in fault.items() if k != "kind")
-    return f"{fault['kind'].capitalize()}({args})"
-
-
-def note_slow(faults: list[dict[str, Any]], note: Any) -> None:
+def note_slow(faults: list[Fault], note: Any) -> None:
     """``note(text)`` for each slow fault: it acts from the first step, so it is noted at the start."""
     for fault in faults:
-        if fault["kind"] == "slow":
-            note(f"{describe(fault)} from the start")
+        if fault.kind is FaultKind.SLOW:
+            note(f"{fault.describe()} from the start")
 
 
-def strike(fault: dict[str, Any], step: int, note: Any) -> None:
+def strike(fault: Fault, step: int, note: Any) -> None:
     """Apply a step fault (hang, crash, kill) due at ``step``; ``note(text)`` records it first.
 
     Called from the first forward of each step on the rank, so the rank's last traced
     action is that forward.
     """
-    if fault["kind"] == "slow" or fault["at_step"] != step:
+    if fault.kind is FaultKind.SLOW or fault.at_step != step:
         return
-    text = f"{describe(fault)} struck at step {step}"
-    note(text)
-    if fault["kind"] == "crash":
-        raise InjectedCrash(f"lab.Crash: rank {fault['rank']} raised on purpose in the forward of step {step}")
-    if fault["kind"] == "kill":
+    note(f"{fault.describe()} struck at step {step}")
+    if fault.kind is FaultKind.CRASH:
+        raise InjectedCrash(f"lab.Crash: rank {fault.rank} raised on purpose in the forward of step {step}")
+    if fault.kind is FaultKind.KILL:
         os.kill(os.getpid(), signal.SIGKILL)
     while True:  # hang: never return, but stay interruptible (time.sleep ends on SIGINT)
         time.sleep(HANG_SLICE_S)

@@ -31,7 +31,7 @@ from torch.distributed import distributed_c10d
 
 from kernels.watch.collective_log import BEACON_KEY, read_state
 from kernels.watch.progress import engine_publisher
-from kernels.contract.records import FlightGroup
+from kernels.contract.watch_records import FlightGroup
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 BUFFER_ENTRIES = "500"  # several steps of the lab's layouts (a TP×FSDP step makes ~50); a dump reads them all

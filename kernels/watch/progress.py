@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 from kernels.watch.wait_clock import WaitClock, wait_untimed
 
 STOP_SIGNAL = signal.SIGUSR2  # SIGUSR1 is kernels.watch.stack_report's

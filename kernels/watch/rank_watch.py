@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kernels.watch import faults as fault_kinds
 from kernels.watch import flight_recorder
 from kernels.watch.collective_log import CollectiveLog
-from kernels.contract.records import StepWait
+from kernels.contract.watch_records import StepWait
 from kernels.watch.comm import route_ddp_through_python
 from kernels.watch.dist_names import DIST_OPS, patched_dist_names
 

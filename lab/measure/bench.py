@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kernels.measure.comm_bench import bench_rank
-from kernels.contract.records import BenchRecord
+from kernels.contract.measure_records import BenchRecord
 from lab.planning.plan_math import busbw_factor
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)

@@ -41,9 +41,9 @@ import re
 from typing import Any
 
 from kernels.contract import activation_rules
-from kernels.contract.layout_rules import MESH_AXES
 from kernels.train.entry import measure_rank
-from kernels.contract.records import CommRecord, MemoryRecord
+from kernels.contract.measure_records import CommRecord, MemoryRecord
+from kernels.contract.run_config import RunConfig
 from lab.measure import host_traffic
 from lab.planning.plan_math import busbw_factor, dtype_bytes, optimizer_bytes, zero_memory
 from lab.planning.planner import plan
@@ -235,16 +235,15 @@ def predicted_comm(record: dict[str, Any], cfg: dict[str, Any]) -> dict[str, flo
 
 def _planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
     """The planner's StagePlan for this rank's pipeline rank (fp32, the run's optimizer, batch and layout)."""
-    dims = record["dims"]
-    parallel = {**dims, "zero": int(record["zero"]), "schedule": cfg.get("schedule", "1f1b"),
-                "microbatches": record.get("microbatches", 1)}
-    if cfg.get("stages_per_rank"):
-        parallel["stages_per_rank"] = int(cfg["stages_per_rank"])
-    for flag in ("sequence_parallel", "loss_parallel"):
-        if cfg.get(flag):
-            parallel[flag] = True
-    p = plan(cfg.get("model", {}), gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel,
-             global_batch=int(cfg.get("global_batch", 8)), dtype="fp32", optimizer=_optimizer(record))
+    dims, run = record["dims"], RunConfig.from_options(cfg)
+    s = run.strategy
+    parallel = {**dims, "zero": int(record["zero"]), "schedule": s.schedule or "1f1b",
+                "microbatches": record.get("microbatches", 1), "sequence_parallel": s.sequence_parallel,
+                "loss_parallel": s.loss_parallel}
+    if s.pp > 1:
+        parallel["stages_per_rank"] = s.stages_per_rank
+    p = plan(run.model, gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel,
+             global_batch=run.global_batch, dtype="fp32", optimizer=_optimizer(record))
     return p.stages[record["coords"]["pp"]]
 
 
@@ -277,7 +276,7 @@ def comm_records(record: dict[str, Any], cfg: dict[str, Any], hosts: list[str] |
     for row in record["comm"]:
         predicted = _predicted(pred, row, record)
         both = host_traffic.split(row, record["rank"], hosts) if hosts else None
-        order = cfg.get("mesh_order", MESH_AXES)
+        order = RunConfig.from_options(cfg).strategy.mesh_order
         planned = host_traffic.planned_inter(row, record, predicted, sends, hosts, order) if hosts else None
         f = busbw_factor(row["op"], row["group_size"]) if row["op"] != "all_to_all" else 1.0
         algbw = row["payload_bytes"] / row["seconds"] if row["seconds"] > 0 else 0.0

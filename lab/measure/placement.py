@@ -1,6 +1,6 @@
 """TP inside a host against TP across hosts: the same DP×TP run in two rank orders, measured and planned.
 
-``compare_tp_placement(cluster, cfg)`` trains ``cfg`` (a ``RunConfig`` dict with dp and tp)
+``compare_tp_placement(cluster, cfg)`` trains ``cfg`` (a ``RunConfig``, or its options, with dp and tp)
 twice on a pool of several hosts: with the default mesh order (pp, dp, tp), each tp group
 on one host, and with ``mesh_order=("pp", "tp", "dp")``, each tp group across hosts.
 For each it gives the median over steps (the first left out) of the slowest rank's step
@@ -11,8 +11,11 @@ the all-reduce busbw measured on that link (``lab.bench_collectives``).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
+from kernels.contract.run_config import RunConfig
 from kernels.train.entry import train_rank
 from lab.measure.bench import bench_collectives
 from lab.planning.planner import plan
@@ -27,25 +30,25 @@ def link_busbw(cluster: Any) -> dict[str, float]:
     return {r.link: r.busbw for r in records if r.link}
 
 
-def step_time(cluster: Any, cfg: dict[str, Any]) -> float:
+def step_time(cluster: Any, run: RunConfig) -> float:
     """Median over steps (the first left out) of the slowest rank's step time, seconds."""
-    per_rank = [r["step_times"] for r in cluster.run(train_rank, cfg)]
+    per_rank = [r["step_times"] for r in cluster.run(train_rank, run.to_dict())]
     return statistics.median(max(step) for step in list(zip(*per_rank))[1:])
 
 
-def planned(cfg: dict[str, Any], hosts: list[str], bw: dict[str, float]) -> dict[str, Any]:
-    """The planner's wire bytes per rank and step on each link for ``cfg``'s placement on ``hosts``, and their time."""
-    parallel = {"dp": int(cfg.get("dp", 1)), "tp": int(cfg.get("tp", 1)),
-                "mesh_order": tuple(cfg.get("mesh_order", PLACEMENTS["TP inside hosts"]))}
-    p = plan(cfg["model"], gpus=len(hosts), gpus_per_node=len(hosts) // len(set(hosts)), parallel=parallel,
-             global_batch=int(cfg["global_batch"]), dtype="fp32", optimizer="adam")
+def planned(run: RunConfig, hosts: list[str], bw: dict[str, float]) -> dict[str, Any]:
+    """The planner's wire bytes per rank and step on each link for ``run``'s placement on ``hosts``, and their time."""
+    s = run.strategy
+    parallel = {"dp": s.dp, "tp": s.tp, "mesh_order": s.mesh_order}
+    p = plan(run.model, gpus=len(hosts), gpus_per_node=len(hosts) // len(set(hosts)), parallel=parallel,
+             global_batch=run.global_batch, dtype="fp32", optimizer="adam")
     wire = {"intra": 0.0, "inter": 0.0}
     for e in p.comm:
         wire[e.link] += e.wire_bytes
     return {"wire_bytes": wire, "seconds": sum(wire[link] / bw[link] for link in wire)}
 
 
-def compare_tp_placement(cluster: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def compare_tp_placement(cluster: Any, cfg: RunConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Both placements of ``cfg`` (dp > 1, tp > 1, no pp): measured step time, planned comm, kernel byte count.
 
     Returns {"busbw": {link: bytes/s}, placement name: {"step_s", "planned", "kernel_inter_bytes"}, "ratio"
@@ -53,15 +56,16 @@ def compare_tp_placement(cluster: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     ``kernel_inter_bytes`` is what the simulated hosts' counters saw cross the link in the whole run
     (headers included; None on real hosts).
     """
-    if int(cfg.get("pp", 1)) != 1 or int(cfg.get("dp", 1)) < 2 or int(cfg.get("tp", 1)) < 2:
-        raise ValueError(f"compare_tp_placement needs dp >= 2, tp >= 2 and no pp, got dp={cfg.get('dp')}, "
-                         f"tp={cfg.get('tp')}, pp={cfg.get('pp')}")
+    base = RunConfig.from_options(cfg)
+    s = base.strategy
+    if s.pp != 1 or s.dp < 2 or s.tp < 2:
+        raise ValueError(f"compare_tp_placement needs dp >= 2, tp >= 2 and no pp, got dp={s.dp}, tp={s.tp}, pp={s.pp}")
     hosts = [r.host for r in cluster.rank_map.ranks]
     bw = link_busbw(cluster)
     out: dict[str, Any] = {"busbw": bw}
     counters = getattr(cluster.network, "inter_host_bytes", lambda: None)
     for name, order in PLACEMENTS.items():
-        run = {**cfg, "mesh_order": list(order)}
+        run = replace(base, strategy=replace(s, mesh_order=tuple(order)))
         before = counters()
         measured = step_time(cluster, run)
         after = counters()

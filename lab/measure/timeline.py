@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kernels.contract.layout_rules import SINGLE_STAGE_SCHEDULES, bubble_theory
-from kernels.contract.records import BubbleReport, ClockSync, TraceEvent
+from kernels.contract.measure_records import BubbleReport, ClockSync, TraceEvent
 from kernels.contract.schedule_simulation import Action, lay_out
 
 COMPUTE_KINDS = ("forward", "backward", "backward_weight")

@@ -1,107 +1,17 @@
-"""Analytic sizing of a training layout: memory per GPU, traffic per link, bubble, warnings.
+"""Size a training layout analytically, or pick one first: the entry behind ``lab.plan``.
 
 ``plan(model="llama3-70b", gpus=32, gpus_per_node=8, gpu_mem_gb=80, parallel=...)``
-returns a frozen ``Plan``. With no ``parallel``, the layout is ``recommend()``'s best.
-The formulas live in ``lab.planning.plan_math`` and follow docs/design.md (#zero-formulas,
-#communication-volume) and the FSDP, TP and PP sections of the Turing Inc. guide
-(docs/design.md#sources): parameters, gradients and optimizer states shard by TP and PP, then by the
-dp axis as ZeRO says; activations are the Turing Inc. guide's b·s·h·L·16 bytes per micro-batch,
-times the micro-batches a schedule keeps in flight (GPipe M, 1F1B P), and are not split by TP unless
-sequence parallelism is on (the Turing Inc. guide, TP memory estimate: "Activations are not
-sharded"). GB is 1e9 bytes, as in the sizing guides.
-
-Every pipeline rank is sized (``Plan.stages``, one ``StagePlan`` per pp rank, by
-``lab.planning.plan_stages``); ``Plan.memory`` and the dp/tp part of ``Plan.comm`` are the
-busiest rank's, and ``Plan.comm``'s p2p is a middle stage's (the busiest link). The
-bubble is ``kernels.contract.layout_rules.bubble_theory``'s. Pure Python; no torch.
+returns a frozen ``Plan`` (``lab.planning.plan_layout``, where the formulas are applied).
+With no ``parallel``, the layout is ``recommend()``'s best. Pure Python; no torch.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kernels.contract.layout_rules import bubble_theory, default_microbatches
-from lab.planning import plan_render
-from lab.planning.plan_comm import CommEntry, Work, all_entries
-from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes, required_bandwidth
-from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from
+from lab.planning.plan_layout import Plan, plan_layout
 from lab.planning.plan_models import ModelSpec, get_model
-from lab.planning.plan_stages import MemoryBreakdown, StagePlan, stage_plans
-
-
-@dataclass(frozen=True)
-class LinkLoad:
-    """One link's share of an iteration: bytes one rank sends, time, and bandwidth needed."""
-
-    link: str  # "intra" or "inter"
-    bandwidth_gbps: float  # the link's bandwidth in GB/s (1e9 bytes/s) as given to plan()
-    wire_bytes: float
-    time_s: float  # wire_bytes / bandwidth, with no overlap
-    needed_gbps: float  # GB/s to move wire_bytes within the target iteration time
-
-
-@dataclass(frozen=True, repr=False)
-class Plan(plan_render.Rendered):
-    """The analytic picture of one layout; ``to_dict()`` is JSON-able."""
-
-    model: str
-    params: float
-    gpus: int
-    gpus_per_node: int
-    gpu_mem_gb: float
-    layout: Layout
-    global_batch: int
-    micro_batch: int
-    microbatches: int  # M, per iteration and dp rank
-    seq_len: int
-    dtype: str
-    optimizer: str
-    memory: MemoryBreakdown
-    comm: tuple[CommEntry, ...]
-    links: tuple[LinkLoad, ...]
-    target_iter_s: float
-    bubble: float | None  # (p-1)/(m+p-1) or (p-1)/(v·m+p-1); None without PP or a closed form
-    bubble_megatron: float | None  # (p-1)/m or (p-1)/(v·m)
-    warnings: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-    stages: tuple[StagePlan, ...] = ()  # one per pipeline rank
-
-    @property
-    def fits(self) -> bool:
-        """Whether the busiest rank's memory fits the GPU."""
-        return self.memory.fits
-
-    def comm_bytes(self, *, axis: str | None = None, op: str | None = None, phase: str | None = None,
-                   link: str | None = None, wire: bool = True) -> float:
-        """Sum of wire bytes (or payload bytes with ``wire=False``) over matching entries."""
-        keep = [e for e in self.comm if (axis is None or e.axis == axis) and (op is None or e.op == op)
-                and (phase is None or e.phase == phase) and (link is None or e.link == link)]
-        return sum(e.wire_bytes if wire else e.total_payload for e in keep)
-
-    def comm_by_op(self) -> dict[str, float]:
-        """Wire bytes per collective type."""
-        out: dict[str, float] = {}
-        for e in self.comm:
-            out[e.op] = out.get(e.op, 0.0) + e.wire_bytes
-        return out
-
-    def link(self, name: str) -> LinkLoad:
-        """The LinkLoad for "intra" or "inter"."""
-        return next(load for load in self.links if load.link == name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict of every field."""
-        out = dataclasses.asdict(self)
-        out["memory"] = self.memory.to_dict()
-        for stage, data in zip(self.stages, out["stages"]):
-            data["memory"] = stage.memory.to_dict()
-        out["fits"] = self.fits
-        return out
-
-    render_text = plan_render.text
-    render_html = plan_render.html
+from lab.planning.recommend import recommend
 
 
 def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per_node: int = 8,
@@ -123,132 +33,16 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     estimate (the sizing guides' TP example assumes 20GB). Raises ValueError when dp·tp·pp ≠ gpus.
     """
     spec = get_model(model)
+    options = dict(intra_bw=intra_bw, inter_bw=inter_bw, global_batch=global_batch, micro_batch=micro_batch,
+                   seq_len=seq_len, dtype=dtype, optimizer=optimizer, microbatches=microbatches,
+                   activation_checkpointing=activation_checkpointing, target_iter_s=target_iter_s,
+                   activations_gb=activations_gb)
     if parallel is None:
-        return _recommended(spec, gpus, gpus_per_node, gpu_mem_gb, dict(
-            intra_bw=intra_bw, inter_bw=inter_bw, global_batch=global_batch, micro_batch=micro_batch,
-            seq_len=seq_len, dtype=dtype, optimizer=optimizer, microbatches=microbatches,
-            activation_checkpointing=activation_checkpointing, schedule=schedule or "1f1b",
-            target_iter_s=target_iter_s, activations_gb=activations_gb))
-    lay = layout_from(_with_dp(parallel, gpus), schedule=schedule,
-                      activation_checkpointing=activation_checkpointing)
-    if lay.world != gpus:
-        raise ValueError(f"dp*tp*pp = {lay.dp}*{lay.tp}*{lay.pp} = {lay.world} must equal gpus={gpus}")
-    m_default = microbatches if microbatches is not None else _get_m(parallel)
-    gb, mb, m = resolve_batch(lay, global_batch, micro_batch, m_default)
-    seq = seq_len or spec.seq_len
-    base = Work(0.0, dtype_bytes(dtype), mb, m, seq, spec.hidden, None, vocab=spec.vocab,
-                qkv_allreduces=1 if spec.fused_qkv else 3)
-    stages = stage_plans(spec, lay, base, gpus_per_node, optimizer_bytes(optimizer, dtype), gpu_mem_gb,
-                         activations_gb)
-    busiest = max(stages, key=lambda st: st.memory.total)  # the first on ties
-    work = dataclasses.replace(base, psi_local=busiest.params, layers_on_rank=busiest.layers,
-                               embed=spec.per_tensor and 0 in busiest.stage_ids,
-                               head=spec.per_tensor and lay.num_stages - 1 in busiest.stage_ids)
-    mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
-    bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
-    return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,
-                str(optimizer), mem, comm, _links(comm, intra_bw, inter_bw, target_iter_s), target_iter_s,
-                *(bubble if lay.pp > 1 else (None, None)),
-                warnings=tuple(_warnings(spec, lay, mem, m, gpus_per_node, activations_gb)),
-                notes=tuple(_notes(lay, gpus_per_node)), stages=stages)
-
-
-def _with_dp(parallel: Any, gpus: int) -> Any:
-    """A dict without dp gets dp = gpus / (tp·pp), so {"tp": 8} on 32 GPUs means TP8×DP4."""
-    if isinstance(parallel, Mapping) and "dp" not in parallel:
-        rest = int(parallel.get("tp", 1)) * int(parallel.get("pp", 1))
-        if gpus % rest:
-            raise ValueError(f"tp*pp = {rest} does not divide gpus={gpus}")
-        return {**parallel, "dp": gpus // rest}
-    return parallel
-
-
-def _get_m(parallel: Any) -> int | None:
-    value = parallel.get("microbatches") if isinstance(parallel, Mapping) \
-        else getattr(parallel, "microbatches", None)
-    return None if value is None else int(value)
-
-
-def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None,
-                  microbatches: int | None) -> tuple[int, int, int]:
-    """(global_batch, micro_batch, M) with global_batch = dp · micro_batch · M.
-
-    Missing values are derived; M defaults to ``kernels.contract.layout_rules.default_microbatches``
-    (pp, or the stage count for DualPipeV), micro_batch to 1. Raises ValueError when they cannot agree.
-    """
-    dp = lay.dp
-    m = microbatches
-    if m is None and global_batch is not None and micro_batch is not None:
-        m, rem = divmod(global_batch, dp * micro_batch)
-        if rem or m < 1:
-            raise ValueError(f"global_batch={global_batch} is not a multiple of dp*micro_batch "
-                             f"= {dp}*{micro_batch}")
-    if m is None:
-        m = default_microbatches(lay.schedule, lay.pp, lay.stages_per_rank)
-    if micro_batch is None:
-        micro_batch = 1 if global_batch is None else global_batch // (dp * m)
-        if global_batch is not None and (micro_batch < 1 or global_batch % (dp * m)):
-            raise ValueError(f"global_batch={global_batch} does not split into dp*M = {dp}*{m} "
-                             "micro-batches of whole samples")
-    if global_batch is None:
-        global_batch = dp * micro_batch * m
-    if global_batch != dp * micro_batch * m or min(m, micro_batch) < 1:
-        raise ValueError(f"global_batch={global_batch} != dp*micro_batch*M = {dp}*{micro_batch}*{m}")
-    return global_batch, micro_batch, m
-
-
-def _links(comm: tuple[CommEntry, ...], intra_bw: float, inter_bw: float,
-           target_iter_s: float) -> tuple[LinkLoad, ...]:
-    out = []
-    for name, bw in (("intra", intra_bw), ("inter", inter_bw)):
-        wire = sum(e.wire_bytes for e in comm if e.link == name)
-        out.append(LinkLoad(name, bw, wire, wire / (bw * GB) if bw > 0 else math.inf,
-                            required_bandwidth(wire, target_iter_s)))
-    return tuple(out)
-
-
-def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_per_node: int,
-              activations_gb: float | None) -> list[str]:
-    out = []
-    if not mem.fits:
-        out.append(f"does not fit: {mem.total / GB:.1f} GB per GPU > {mem.capacity / GB:.0f} GB")
-    if lay.tp > 1 and axis_link(lay, "tp", gpus_per_node) == "inter":
-        out.append(f"TP across nodes: tp={lay.tp} with {gpus_per_node} GPUs per node puts every "
-                   "block's all-reduces on the inter-node link; keep TP inside a node")
-    if lay.tp > 8:
-        out.append(f"tp={lay.tp} > 8: the sizing guides take TP=8 as the practical ceiling")
-    if lay.pp > 1 and m < lay.pp:
-        out.append(f"M={m} < P={lay.pp}: 1F1B needs at least as many micro-batches as stages")
-    elif lay.pp > 1 and m < 4 * lay.pp:
-        bubble, _ = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
-        share = f"bubble {bubble:.1%}" if bubble is not None else "a large bubble"
-        out.append(f"M={m} < 4P={4 * lay.pp}: {share}; the sizing guides advise M >= 4P")
-    if spec.heads is not None and spec.heads % lay.tp:
-        out.append(f"heads={spec.heads} not divisible by tp={lay.tp}")
-    if spec.layers is not None and spec.layers % lay.num_stages:
-        out.append(f"layers={spec.layers} not divisible by pp*v={lay.num_stages}: "
-                   "stages are uneven; the busiest is sized")
-    if not spec.has_shape and activations_gb is None:
-        out.append(f"{spec.name} is known by parameter count only: activations are counted as 0 "
-                   "and TP/PP traffic is not sized (pass a shape or activations_gb)")
-    return out
-
-
-def _notes(lay: Layout, gpus_per_node: int) -> list[str]:
-    out = []
-    if lay.fsdp_strategy == "hybrid":
-        inside = groups_link(hybrid_groups(lay)[0], gpus_per_node) == "intra"
-        out.append(f"hybrid: dp={lay.dp} as {lay.dp_replicate} replicate x {lay.dp_shard} shard; shard groups "
-                   + ("stay inside a node" if inside else "cross nodes: pass dp_replicate to shard inside a node"))
-    if lay.zero in (2, 3) and lay.pp > 1:
-        out.append(f"ZeRO-{lay.zero} with PP all-gathers/reduce-scatters per micro-batch "
-                   "(Hugging Face's multi-GPU guide: ZeRO-1 is the usual choice with PP)")
-    return out
+        return _recommended(spec, gpus, gpus_per_node, gpu_mem_gb, {**options, "schedule": schedule or "1f1b"})
+    return plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=parallel, schedule=schedule, **options)
 
 
 def _recommended(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: float,
                  kwargs: dict[str, Any]) -> Plan:
-    from lab.planning.recommend import recommend  # recommend() calls plan(): import when needed
-
     best = recommend(spec, gpus, gpus_per_node, gpu_mem_gb, **kwargs).best
     return dataclasses.replace(best.plan, notes=best.plan.notes + (f"layout from recommend(): {best.reason}",))

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from lab.planning import plan_render
+from lab.planning.plan_layout import Plan, plan_layout
 from lab.planning.plan_math import GB
 from lab.planning.plan_mesh import Layout
 from lab.planning.plan_models import ModelSpec, get_model
-from lab.planning.planner import Plan, plan
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def recommend(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpu
     Without a global batch, M = 4P. ``activation_checkpointing=None`` tries without it
     first and turns it on only when nothing fits (Fujii's distributed-training talk: "turn on
     activation checkpointing and check whether TP and PP can be reduced"). Other keywords (seq_len,
-    dtype, optimizer, schedule, intra_bw, inter_bw, target_iter_s, activations_gb) go to ``plan()``. When
+    dtype, optimizer, schedule, intra_bw, inter_bw, target_iter_s, activations_gb) go to ``plan_layout()``. When
     nothing fits, the smallest layouts are returned with a warning.
     """
     spec = get_model(model)
@@ -201,9 +201,9 @@ def _candidates(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: floa
             if par["fsdp_strategy"] == "hybrid":
                 par["dp_replicate"] = cand_dp // node_shard(cand_dp, tp, gpus_per_node)
             try:
-                plans.append(plan(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=par,
-                                  global_batch=global_batch, micro_batch=micro_batch,
-                                  activation_checkpointing=ac, **plan_kwargs))
+                plans.append(plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=par,
+                                         global_batch=global_batch, micro_batch=micro_batch,
+                                         activation_checkpointing=ac, **plan_kwargs))
             except ValueError:
                 continue
     return plans

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from ipyparallel import AsyncResult
 
 from kernels.engine import runtime
-from kernels.contract.records import RankMap, RankStatus
+from kernels.contract.pool_records import RankMap, RankStatus
 from lab.pool import launch, lifetime, px_magic
 from lab.pool.busy import PoolOccupancy
 from lab.pool.cluster_status import StatusBoard

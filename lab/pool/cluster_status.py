@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kernels.contract.records import RankStatus
+from kernels.contract.pool_records import RankStatus
 from lab.pool import cluster_render, launch
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from typing import Iterable, Self
 
 from kernels.engine import runtime
 from kernels.watch import stack_report
-from kernels.contract.records import EngineInfo, RankMap
+from kernels.contract.pool_records import EngineInfo, RankMap
 from lab.pool import launch
 from lab.errors import LabError, RankError, Recovery, rank_list
 from lab.pool.rank_map import build_rank_map

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable
 from typing import Any, Callable, NoReturn
 
 from kernels.watch import stack_report
-from kernels.contract.records import RankMap
+from kernels.contract.pool_records import RankMap
 from kernels.watch.stack_report import Frame
 from lab.pool import frames as frame_view
 from lab.errors import DeadRankError, HangError, RankError, RankTimeoutError, Recovery, rank_list

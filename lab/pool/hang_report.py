@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.watch.collective_log import BEACON_KEY, log_path, read_state
-from kernels.contract.records import RankActivity
-from kernels.contract.records import FlightGroup
+from kernels.contract.watch_records import RankActivity
+from kernels.contract.watch_records import FlightGroup
 from lab.errors import rank_list
 from lab.pool.supervise import call_metadata
 

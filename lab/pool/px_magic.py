@@ -33,7 +33,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from kernels.engine import cell
-from kernels.contract.records import CellOutput
+from kernels.contract.pool_records import CellOutput
 from lab.errors import LabError, PoolStoppedError, RankError
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernels.contract.records import EngineInfo, RankInfo, RankMap
+from kernels.contract.pool_records import EngineInfo, RankInfo, RankMap
 
 BACKENDS = ("auto", "nccl", "gloo")
 

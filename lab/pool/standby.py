@@ -17,7 +17,7 @@ from typing import Any
 from ipyparallel import AsyncResult
 
 from kernels.engine import runtime
-from kernels.contract.records import EngineInfo
+from kernels.contract.pool_records import EngineInfo
 from lab.pool import launch
 
 

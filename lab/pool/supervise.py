@@ -18,7 +18,7 @@ from typing import Any
 from ipyparallel import AsyncResult
 from ipyparallel.error import RemoteError
 
-from kernels.contract.records import RankFailure, RankMap
+from kernels.contract.pool_records import RankFailure, RankMap
 
 # Messages of errors a rank gets only because a peer left the collective it was in.
 _PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

@@ -33,9 +33,10 @@ from kernels.ps.ps_rpc import open_rpc_store
 from kernels.ps.ps_train import ps_rank
 from kernels.train.reference import train_reference
 from kernels.contract.run_config import RunConfig
+from kernels.contract.strategy import resolve_strategy
 from lab.pool.cluster import Cluster
 from lab.pool.cluster_world import listen_addresses
-from lab.run.faults import fault_dicts, fault_problems, hang_after_problems
+from lab.run.faults import fault_problems, fault_records, hang_after_problems
 from lab.pool.hang_report import HangWatch
 from lab.run.parallel import ParallelConfigError
 from lab.ps.ps_handle import PSHandle
@@ -101,13 +102,13 @@ class ParameterServer:
         """The model, data and optimizer hyper-parameters, as data parallel over the workers would train them."""
         model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
         return RunConfig(model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
-                         optimizer=self.optimizer, dp=self.workers)
+                         optimizer=self.optimizer, strategy=resolve_strategy(dp=self.workers))
 
     def rank_config(self, port: int) -> dict[str, Any]:
         """The plain dict every rank receives: the run, the roles, the mode, the faults and the RPC rendezvous."""
         bind = listen_addresses(self.cluster.rank_map)
         return {"run": self.run_config().to_dict(), "servers": self.servers, "mode": self.mode,
-                "max_staleness": self.max_staleness, "faults": list(fault_dicts(self.faults)),
+                "max_staleness": self.max_staleness, "faults": [f.to_dict() for f in fault_records(self.faults)],
                 "rpc": {"master_addr": bind[0], "port": port, "bind_addrs": bind,
                         "timeout_s": self.cluster.collective_timeout}}
 
@@ -137,7 +138,7 @@ class ParameterServer:
         ps = {"mode": self.mode, "max_staleness": self.max_staleness, "optimizer": self.optimizer,
               "shards": per_rank[0]["shards"], "servers": servers, "workers": workers, "wall_s": wall_s}
         return PSResult(config=self.rank_config(0)["run"], losses=losses, step_times=step_times, layout=layout,
-                        warnings=notes, faults=list(fault_dicts(self.faults)), ps=ps)
+                        warnings=notes, faults=[f.to_dict() for f in fault_records(self.faults)], ps=ps)
 
     def reference(self) -> PSResult:
         """The same training in one process, with the same optimizer: what ``sync`` mode must reproduce."""

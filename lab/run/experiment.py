@@ -58,7 +58,7 @@ from kernels.train.entry import train_rank
 from lab.run.checkpointing import check_resume, directory_problems, resume_path
 from lab.run import run_logs, run_views
 from lab.pool.cluster import Cluster
-from lab.run.faults import fault_dicts, fault_problems, hang_after_problems
+from lab.run.faults import fault_problems, fault_records, hang_after_problems
 from lab.pool.hang_report import HangWatch
 from lab.run.parallel import Parallel, ParallelConfigError
 from lab.run.run_handle import RunHandle
@@ -115,22 +115,17 @@ class Experiment:
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
         """The one typed config every rank (and the reference) trains under."""
-        p = self.parallel
         model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
         ranks_per_host = _ranks_per_host(self.cluster) if self.trace else None  # ranks cannot see their host
         return RunConfig(
             model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
-            optimizer=self.optimizer, dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, fsdp_strategy=p.fsdp_strategy,
-            dp_replicate=p.dp_replicate, schedule=p.schedule, microbatches=p.num_microbatches,
-            stages_per_rank=p.num_stages_per_rank, sequence_parallel=p.sequence_parallel,
-            loss_parallel=p.loss_parallel, activation_checkpointing=p.activation_checkpointing,
-            mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload, mesh_order=p.mesh_order,
-            compile=self.compile, return_params=return_params, trace=self.trace,
+            optimizer=self.optimizer, strategy=self.parallel.strategy(compile=self.compile),
+            return_params=return_params, trace=self.trace,
             synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure,
             checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every,
             checkpoint_async=self.checkpoint_async,
             resume_from=None if self.resume_from is None else os.fspath(self.resume_from),
-            watch_collectives=True, faults=fault_dicts(self.faults))
+            watch_collectives=True, faults=fault_records(self.faults))
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""

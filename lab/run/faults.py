@@ -3,7 +3,8 @@
 Pass them as ``lab.Experiment(..., faults=[lab.Slow(2, 2.0), lab.Hang(1, at_step=2)])``.
 Each is checked against the pool and the run before anything is launched
 (``fault_problems``: the rank exists, the step is one the run takes, the factor is at
-least 1); the ranks receive them as plain dicts and act on them (``kernels.watch.faults``).
+least 1); the ranks receive them as ``kernels.contract.faults.Fault`` records and act on
+them (``kernels.watch.faults``).
 What each one shows:
 
 - ``Slow(rank, factor)``: that rank's compute takes ``factor`` times as long, so under DP
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kernels.contract.config_rules import Problem
+from kernels.contract.faults import Fault, FaultKind
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,9 @@ class Slow:
     rank: int
     factor: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "slow", "rank": self.rank, "factor": float(self.factor)}
+    def record(self) -> Fault:
+        """What the ranks receive."""
+        return Fault(FaultKind.SLOW, self.rank, factor=float(self.factor))
 
 
 @dataclass(frozen=True)
@@ -38,39 +41,40 @@ class _AtStep:
     rank: int
     at_step: int
 
-    kind = ""
+    kind: ClassVar[FaultKind]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "rank": self.rank, "at_step": self.at_step}
+    def record(self) -> Fault:
+        """What the ranks receive."""
+        return Fault(self.kind, self.rank, at_step=self.at_step)
 
 
 @dataclass(frozen=True)
 class Hang(_AtStep):
     """Rank ``rank`` stops in the first forward of step ``at_step`` (counted from 0) and never returns."""
 
-    kind = "hang"
+    kind = FaultKind.HANG
 
 
 @dataclass(frozen=True)
 class Crash(_AtStep):
     """Rank ``rank`` raises in the first forward of step ``at_step``."""
 
-    kind = "crash"
+    kind = FaultKind.CRASH
 
 
 @dataclass(frozen=True)
 class Kill(_AtStep):
     """Rank ``rank`` SIGKILLs its own engine in the first forward of step ``at_step``."""
 
-    kind = "kill"
+    kind = FaultKind.KILL
 
 
 FAULTS = (Slow, Hang, Crash, Kill)
 
 
-def fault_dicts(faults: Any) -> tuple[dict[str, Any], ...]:
-    """The plain dicts the ranks receive; anything not a lab fault is left to ``fault_problems`` to name."""
-    return tuple(f.to_dict() for f in faults if isinstance(f, FAULTS)) if isinstance(faults, (list, tuple)) else ()
+def fault_records(faults: Any) -> tuple[Fault, ...]:
+    """The records the ranks receive; anything not a lab fault is left to ``fault_problems`` to name."""
+    return tuple(f.record() for f in faults if isinstance(f, FAULTS)) if isinstance(faults, (list, tuple)) else ()
 
 
 def fault_problems(faults: Any, world_size: int, steps: Any) -> list[Problem]:

@@ -33,12 +33,9 @@ from typing import Any
 
 from kernels.contract import config_rules
 from kernels.contract.config_rules import ConfigError, Problem
-from kernels.contract.layout_combinations import combination_problems, stage_split_problems, tp_split_problems
-from kernels.contract.layout_rules import (MESH_AXES, default_microbatches, default_stages_per_rank, hsdp_split,
-                                           mesh_order_problems, zero_stage)
-
-# Each switch of a layout: True or False, nothing else (kernels.contract.config_rules.flag_problems).
-FLAGS = ("sequence_parallel", "loss_parallel", "activation_checkpointing", "cpu_offload")
+from kernels.contract.layout_combinations import stage_split_problems, tp_split_problems
+from kernels.contract.layout_rules import MESH_AXES, default_microbatches, default_stages_per_rank, hsdp_split, zero_stage
+from kernels.contract.strategy import Strategy, layout_problems, resolve_strategy
 
 RULES = {
     "mesh-order": "mesh_order names pp, dp and tp once each, outermost first",
@@ -194,19 +191,11 @@ class Parallel:
         return self.layout_warnings()
 
     def _field_problems(self) -> list[Problem]:
-        out = config_rules.size_problems({"dp": self.dp, "tp": self.tp, "pp": self.pp},
-                                         {"microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank,
-                                          "dp_replicate": self.dp_replicate})
-        out += config_rules.flag_problems({name: getattr(self, name) for name in FLAGS})
-        out += config_rules.sharding_problems(self.zero, self.fsdp_strategy, self.mixed_precision)
-        out += mesh_order_problems(self.mesh_order)
-        if out:  # the rules below combine fields, and assume each is sane
-            return out
-        return combination_problems(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero,
-                                    fsdp_strategy=self.fsdp_strategy, dp_replicate=self.dp_replicate,
-                                    cpu_offload=self.cpu_offload, loss_parallel=self.loss_parallel,
-                                    schedule=self.schedule, stages_per_rank=self.stages_per_rank,
-                                    microbatches=self.microbatches)
+        return layout_problems(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def strategy(self, *, compile: bool = False) -> Strategy:
+        """What the ranks run: this layout resolved (``kernels.contract.strategy.resolve_strategy``)."""
+        return resolve_strategy(compile=compile, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def _model_problems(self, cfg: Any, world_size: int, global_batch: Any) -> list[Problem]:
         d_ff = getattr(cfg, "d_ff", None) or 4 * cfg.d_model
@@ -265,20 +254,6 @@ class Parallel:
         return cls(**data)
 
     def describe(self) -> str:
-        """One line, e.g. "PP2×DP2×TP2 zero=0 1f1b m=4"."""
-        parts = [f"PP{self.pp}×DP{self.dp}×TP{self.tp}", f"zero={self.zero_stage}"]
-        if self.fsdp_strategy is not None:
-            parts[-1] += f"({self.fsdp_strategy})"
-        parts += [self.schedule, f"m={self.num_microbatches}"]
-        if self.num_stages_per_rank > 1:
-            parts.append(f"v={self.num_stages_per_rank}")
-        if self.fsdp_strategy == "hybrid":
-            parts.append("{}x{}".format(*self.hsdp_sizes))
-        flags = [("sp", self.sequence_parallel), ("lp", self.loss_parallel), ("ac", self.activation_checkpointing),
-                 ("offload", self.cpu_offload)]
-        parts += [name for name, on in flags if on]
-        if self.mixed_precision:
-            parts.append(self.mixed_precision)
-        if tuple(self.mesh_order) != MESH_AXES:
-            parts.append("order=" + ",".join(self.mesh_order))
-        return " ".join(parts)
+        """What was chosen and what it runs as (``Strategy.describe``), e.g.
+        "TP2×DP2, ZeRO-0 (DP through FSDP2 replicate: whole parameters, all-reduced gradients, as DDP; ...)"."""
+        return self.strategy().describe()

@@ -3,7 +3,7 @@
 The ranks train in a call the pool supervises as always (``Cluster.run``: failures name
 their rank, dead engines are replaced), on a thread of its own; ``wait()`` joins it and
 returns the ``RunResult`` or raises what the call raised. While the ranks train, each
-sends one ``kernels.contract.records.StepProgress`` per finished step through
+sends one ``kernels.contract.watch_records.StepProgress`` per finished step through
 ipyparallel's data channel (``kernels.watch.progress``); the client merges them into each
 call's metadata as they arrive, and a monitor thread here hands the new ones to whoever
 follows the run (a dashboard, a progress bar, TensorBoard), every ``POLL_S``.
@@ -22,7 +22,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from kernels.watch.progress import ARMED_KEY, STOP_SIGNAL
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 from kernels.train.entry import train_rank
 from lab.pool.hang_report import HangWatch
 from lab.pool.supervise import call_metadata

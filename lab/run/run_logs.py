@@ -14,7 +14,7 @@ import abc
 import importlib.util
 from typing import Any
 
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 from lab.run.parallel import ParallelConfigError
 
 _PER_RANK = ("loss", "step_s", "tokens_per_s", "collective_s", "compute_s", "memory_bytes")

@@ -76,7 +76,7 @@ class RunResult:
     # every run (kernels.watch.rank_watch): per rank and step, time in collectives against the rest
     step_waits: list[dict[str, Any]] = field(default_factory=list)  # kernels.watch.collective_log.StepWait dicts
     faults: list[dict[str, Any]] = field(default_factory=list)  # lab.Slow/Hang/Crash/Kill injected, as dicts
-    # trace=True: what each rank held after each action of the traced step (kernels.contract.records.MemorySample dicts)
+    # trace=True: what each rank held after each action of the traced step (kernels.contract.measure_records.MemorySample dicts)
     memory_timeline: list[dict[str, Any]] = field(default_factory=list)
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
-from kernels.contract.records import StepProgress
+from kernels.contract.watch_records import StepProgress
 
 if TYPE_CHECKING:
     from lab.run.run_handle import RunHandle

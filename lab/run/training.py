@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,11 +227,19 @@ def _absolute(path: str | os.PathLike | None) -> str | None:
 
 
 def saved_layout(run: RunConfig) -> Parallel:
-    """The lab.Parallel a run config was made from: the fields both share, the resolved defaults left unset."""
-    names = {f.name for f in fields(Parallel)} - {"microbatches", "stages_per_rank"}
-    parallel = Parallel(**{name: getattr(run, name) for name in names})
-    if run.microbatches not in (None, parallel.num_microbatches):
-        parallel = replace(parallel, microbatches=run.microbatches)
-    if run.stages_per_rank not in (None, parallel.num_stages_per_rank):
-        parallel = replace(parallel, stages_per_rank=run.stages_per_rank)
+    """A lab.Parallel that resolves to the run's Strategy, its defaults left unset.
+
+    FSDP2's replication of TP x DP is what ZeRO 0 resolves to, so only a chosen ZeRO-2/3 is hybrid.
+    """
+    s = run.strategy
+    hybrid = s.hybrid and s.requested_zero >= 2
+    parallel = Parallel(dp=s.dp, tp=s.tp, pp=s.pp, zero=s.requested_zero, fsdp_strategy="hybrid" if hybrid else None,
+                        dp_replicate=s.dp_replicate if hybrid else None, schedule=s.schedule or "1f1b",
+                        sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel,
+                        activation_checkpointing=s.activation_checkpointing, mixed_precision=s.mixed_precision,
+                        cpu_offload=s.cpu_offload, mesh_order=s.mesh_order)
+    if s.microbatches != parallel.num_microbatches:
+        parallel = replace(parallel, microbatches=s.microbatches)
+    if s.pp > 1 and s.stages_per_rank != parallel.num_stages_per_rank:
+        parallel = replace(parallel, stages_per_rank=s.stages_per_rank)
     return parallel
