@@ -83,6 +83,11 @@ REFUSALS = {
     "hang-after-zero": ({}, {"dp": 4}, {"hang_after": 0}, "hang-after"),
     "faults-not-a-list": ({}, {"dp": 4}, {"faults": lab.Hang(1, 0)}, "faults"),
     "faults-rank-outside-the-pool": ({}, {"dp": 4}, {"faults": [lab.Hang(4, 0)]}, "faults"),
+    "data-file-missing": ({}, {"dp": 4}, {"data": "/nonexistent/cluster-lab/corpus.txt"}, "data-file"),
+    "data-ids-beyond-vocab": ({}, {"dp": 4}, {"data": lab.ModularAddition(10_000)}, "data-vocab"),
+    "data-shorter-than-a-sequence": ({}, {"dp": 4}, {"data": lab.Tokens([1, 2, 3])}, "data-length"),
+    "data-a-float": ({}, {"dp": 4}, {"data": 3.5}, "data"),
+    "data-task-modulus-1": ({}, {"dp": 4}, {"data": lab.ModularAddition(1)}, "data"),
     "loss-parallel-pipeline": ({}, {"tp": 2, "pp": 2, "loss_parallel": True}, {}, "loss-parallel-pp"),
     "seq-len-tp-without-sequence-parallel": ({"seq_len": 18}, {"tp": 4}, {}, "tp-seq-len"),
     # found by the drawn configs below: these train, with wrong gradients

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kernels.contract import config_rules as rules
+from kernels.contract.data_spec import DataSpec, data_spec_problems
 from kernels.contract.faults import Fault
 from kernels.contract.records import Record
 from kernels.contract.strategy import Strategy, resolve_strategy
@@ -46,6 +47,7 @@ class RunConfig(Record):
     eps: float = 1e-8
     seed: int = 0
     data_seed: int | None = None  # None: seed
+    data: DataSpec = field(default_factory=DataSpec)  # the tokens (kernels.contract.data_spec); default: synthetic
     # records and probes
     return_params: bool = True
     record_grad_norm: bool = True
@@ -69,6 +71,8 @@ class RunConfig(Record):
     def __post_init__(self) -> None:
         if isinstance(self.strategy, Mapping):  # read back from JSON: the Strategy checks itself on the rank
             object.__setattr__(self, "strategy", Strategy.from_dict(self.strategy))
+        if isinstance(self.data, Mapping):
+            object.__setattr__(self, "data", DataSpec.from_dict(self.data))
         problems = run_problems(self)
         if problems:
             raise rules.ConfigError(problems)
@@ -127,7 +131,9 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
                               {"world_size": c.world_size})
     out += rules.flag_problems({name: getattr(c, name) for name in FLAGS})
     out += rules.model_problems(c.model)
-    out += rules.data_problems(c.model.get("vocab") if isinstance(c.model, Mapping) else None)
+    out += data_spec_problems(c.data)
+    if c.data == DataSpec():  # the synthetic chain's own need; what other data needs is checked where it is read
+        out += rules.data_problems(c.model.get("vocab") if isinstance(c.model, Mapping) else None)
     out += rules.seed_problems({"seed": c.seed}, {"data_seed": c.data_seed})
     out += rules.adamw_problems(c.lr, c.betas, c.eps, c.weight_decay)
     out += rules.optimizer_problems(c.optimizer)

@@ -1,6 +1,6 @@
 """This rank's batches, step by step, ready on its device when the step wants them.
 
-Every batch is a pure function of (seed, step) (``kernels.train.data.SyntheticTokens``), so it
+Every batch is a pure function of (seed, step) (``kernels.train.data.GlobalBatches``), so it
 can be built at any time, in any thread, and still be the batch the reference sees. On a
 GPU the Markov chain's token-by-token loop runs on the CPU for tens of milliseconds per
 batch at real sequence lengths; built in the step it would leave the GPU idle that long.
@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kernels.train.data import SyntheticTokens, shard_batch
+from kernels.train.data import GlobalBatches, SyntheticTokens, shard_batch
 
 
 class BatchStream:
@@ -30,7 +30,7 @@ class BatchStream:
     ``first_step`` > 0 resumes the data where a checkpoint left it.
     """
 
-    def __init__(self, data: SyntheticTokens, *, steps: int, global_batch: int, dp_rank: int, dp: int,
+    def __init__(self, data: GlobalBatches, *, steps: int, global_batch: int, dp_rank: int, dp: int,
                  device: torch.device, ahead: int | None = None, first_step: int = 0) -> None:
         self.data, self.steps, self.global_batch, self.first_step = data, steps, global_batch, first_step
         self.dp_rank, self.dp, self.device = dp_rank, dp, device

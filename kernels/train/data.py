@@ -25,11 +25,16 @@ Run alone (prints a sample and the entropy floor)::
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
-from kernels.model.gpt import model_config
+from kernels.contract.config_rules import ConfigError
+from kernels.contract.data_spec import DataKind
 from kernels.contract.run_config import RunConfig
+from kernels.model.gpt import model_config
+from kernels.train.task_data import ModularAddition
+from kernels.train.token_data import TokenWindows, stream
 
 _BRANCH_WEIGHTS = (8.0, 4.0, 2.0, 1.0)  # successor probabilities ∝ these: entropy ≈ 1.14 nats
 
@@ -80,10 +85,34 @@ class SyntheticTokens:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()  # (B, T), (B, T)
 
 
-def dataset(run: RunConfig) -> SyntheticTokens:
-    """The run's token stream: every rank and the one-process reference draw the same global batches."""
-    mcfg = model_config(run)
-    return SyntheticTokens(mcfg.vocab, mcfg.seq_len, seed=run.dataset_seed)
+class GlobalBatches(Protocol):
+    """What every data of the lab is: a step's global batch, a pure function of (seed, step)."""
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (B, T) int64."""
+
+
+def dataset(run: RunConfig) -> GlobalBatches:
+    """The run's data (``RunConfig.data``): every rank and the one-process reference draw the same global batches.
+
+    Raises ``ConfigError`` [data-vocab] when its ids do not fit the model's vocabulary, and
+    [data-length] when it holds no sequence: the rules the driver checks before launch.
+    """
+    mcfg, spec = model_config(run), run.data
+    if spec.kind is DataKind.SYNTHETIC:
+        return SyntheticTokens(mcfg.vocab, mcfg.seq_len, seed=run.dataset_seed)
+    if spec.kind is DataKind.TASK:
+        data, top = ModularAddition(spec.modulus, mcfg.seq_len, seed=run.dataset_seed), spec.modulus + 1
+    else:
+        ids = stream(spec)
+        if ids.numel() <= mcfg.seq_len:
+            raise ConfigError([("data-length", f"{spec.describe()} holds {ids.numel()} tokens: a sequence needs "
+                                f"seq_len+1 = {mcfg.seq_len + 1}")])
+        data, top = TokenWindows(ids, mcfg.seq_len, seed=run.dataset_seed), int(ids.max())
+    if top >= mcfg.vocab or (spec.kind is not DataKind.TASK and int(data.tokens.min()) < 0):
+        raise ConfigError([("data-vocab", f"{spec.describe()} uses token ids up to {top}, so the model's vocab "
+                            f"must be at least {top + 1}, got {mcfg.vocab}")])
+    return data
 
 
 def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int,

@@ -3,7 +3,8 @@
 Algorithm: plain minibatch AdamW (Loshchilov & Hutter, 2019, "Decoupled Weight Decay
 Regularization"), or plain SGD with ``optimizer="sgd"``, on the whole global batch in one
 process: the same initial weights (``build_gpt`` with the seed), the same global batch per step
-(``SyntheticTokens.global_batch``), the same loss (mean over all B*T tokens) and the
+(``kernels.train.data.dataset(run).global_batch``), the same loss (mean over all B*T target tokens,
+or over the answers of a task) and the
 same optimizer hyper-parameters as ``kernels.train.entry.train_rank``. A parallel layout is
 correct when its per-step global losses and final gathered parameters match these.
 

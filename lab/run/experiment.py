@@ -36,6 +36,8 @@ costs what it did):
   safetensors file) goes on from its step under this layout (``lab.run.checkpointing``).
 - ``faults=[lab.Slow(2, 2.0), lab.Hang(1, at_step=2), ...]`` (``lab.run.faults``): faults on
   purpose, checked before launch and listed in ``RunResult.faults``.
+- ``data=``: what to train on (``lab.run.data_sources``): the synthetic chain (None), text files
+  (``lab.Text`` or paths), token ids (``lab.Tokens``) or a task with answers (``lab.ModularAddition``).
 - ``hang_after=s``: once no rank makes progress for s seconds, ``run()`` raises
   ``lab.HangError`` with a ``HangReport`` (``lab.pool.hang_report``). Every run publishes
   each rank's collectives (``kernels.watch.rank_watch``), so a timeout or an interrupt carries
@@ -54,10 +56,12 @@ from kernels.contract.config_rules import ConfigError, Problem, optimizer_proble
 from kernels.model.gpt import GPTConfig
 from kernels.train.reference import train_reference
 from kernels.contract.run_config import RunConfig
+from kernels.contract.data_spec import DataSpec
 from kernels.train.entry import train_rank
 from lab.run.checkpointing import check_resume, directory_problems, resume_path
 from lab.run import run_logs, run_views
 from lab.pool.cluster import Cluster
+from lab.run.data_sources import data_problems, data_spec
 from lab.run.faults import fault_problems, fault_records, hang_after_problems
 from lab.pool.hang_report import HangWatch
 from lab.run.parallel import Parallel, ParallelConfigError
@@ -79,8 +83,9 @@ class Experiment:
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
-                 checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None) -> None:
-        self.cluster, self.model, self.parallel = cluster, model, parallel
+                 checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None,
+                 data: Any = None) -> None:
+        self.cluster, self.model, self.parallel, self.data = cluster, model, parallel, data
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.compile, self.optimizer = compile, optimizer
@@ -88,7 +93,11 @@ class Experiment:
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
         self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
         self.faults, self.hang_after = faults, hang_after
-        problems = self._problems(optimizer)
+        try:  # what data= names, as the ranks will receive it (lab.run.data_sources)
+            self.data_spec, problems = data_spec(data), []
+        except ConfigError as error:
+            self.data_spec, problems = DataSpec(), error.problems
+        problems += self._problems(optimizer)
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
         self.warnings = parallel.layout_warnings()
@@ -111,6 +120,7 @@ class Experiment:
         out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
         out += fault_problems(self.faults, self.cluster.world_size, self.steps)
         out += hang_after_problems(self.hang_after)
+        out += data_problems(self.data_spec, self.model) if not out else []  # its checks build the run config
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
@@ -119,7 +129,7 @@ class Experiment:
         ranks_per_host = _ranks_per_host(self.cluster) if self.trace else None  # ranks cannot see their host
         return RunConfig(
             model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
-            optimizer=self.optimizer, strategy=self.parallel.strategy(compile=self.compile),
+            optimizer=self.optimizer, strategy=self.parallel.strategy(compile=self.compile), data=self.data_spec,
             return_params=return_params, trace=self.trace,
             synthetic_forward_s=self.synthetic_forward_s, ranks_per_host=ranks_per_host, measure=self.measure,
             checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every,

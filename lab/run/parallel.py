@@ -49,7 +49,12 @@ RULES = {
     "seed": "seeds must be ints in [0, 2**64), the range torch.Generator.manual_seed takes",
     "model-keys": "the model's fields are GPTConfig's: layers, d_model, heads, vocab, seq_len, d_ff, bias",
     "heads-d-model": "d_model must be divisible by heads",
-    "data-vocab": "vocab must be at least 4: the synthetic data gives every token 4 distinct successors",
+    "data-vocab": "the data's token ids must fit the model's vocab (the synthetic chain needs vocab >= 4: every "
+                  "token has 4 distinct successors; bytes need the largest byte; modular addition mod p needs p + 2)",
+    "data": "data= is None, lab.Text, lab.Tokens or lab.ModularAddition (a path, a list of paths or a 1-D "
+            "tensor of ids stand for the first two), with the fields its kind needs",
+    "data-file": "the data's files exist where the ranks read them and hold text, or 1-D integer token ids",
+    "data-length": "the data holds at least one sequence: seq_len + 1 tokens",
     "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
     "synthetic-cost": "synthetic_forward_s is a finite number of seconds > 0, and needs trace=True",
     "optimizer": "the optimizer must be one of kernels.contract.config_rules.OPTIMIZERS: adamw or sgd",

@@ -69,8 +69,9 @@ class Training:
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-                 checkpoint_async: bool = False) -> None:
+                 checkpoint_async: bool = False, data: Any = None) -> None:
         self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
+                                                   data=data,
                                                    trace=trace, synthetic_forward_s=synthetic_forward_s,
                                                    measure=measure, compile=compile,
                                                    checkpoint_dir=_absolute(checkpoint_dir),
@@ -167,7 +168,7 @@ class Training:
         saved = RunConfig.from_dict(read_meta(found)["config"])
         training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
         training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
-                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed,
+                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed, data=saved.data,
                              checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every,
                              checkpoint_async=checkpoint_async, **options))
         meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),

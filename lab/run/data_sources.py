@@ -1,0 +1,145 @@
+"""What an Experiment trains on: ``data=`` turned into the ranks' ``DataSpec``, checked before launch.
+
+``lab.Experiment(..., data=...)`` (and ``lab.Training``) takes:
+
+- ``None``: the synthetic Markov chain (``kernels.train.data``), as before;
+- ``lab.Text(paths, tokenizer=None)``, or a path or a list of paths: text files, tokenised
+  by bytes, or by a ``tokenizers`` JSON file (local only);
+- ``lab.Tokens(ids)``: a 1-D tensor or array of token ids (written once to a ``.npy`` file
+  named by its content, in the system's temporary directory), or the path of a ``.npy``/``.pt`` file;
+- ``lab.ModularAddition(modulus)``: a generated task with a right answer, whose
+  ``accuracy`` says how many answers the trained model gets right.
+
+Each is checked here, with the code the ranks run (``kernels.train.data.dataset``), before
+anything launches: [data-file] (a file that is missing or not token ids), [data-vocab] (the
+ids reach past the model's vocabulary), [data-length] (not one sequence long).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.contract.config_rules import ConfigError, Problem
+from kernels.contract.data_spec import DataKind, DataSpec
+from kernels.contract.run_config import RunConfig
+from kernels.model.gpt import GPTConfig, build_gpt
+from kernels.train.data import dataset
+from kernels.train.task_data import answer_accuracy
+
+
+@dataclass(frozen=True)
+class Text:
+    """Text files read in order as one stream; ``tokenizer``: None for bytes, else a ``tokenizers`` JSON file."""
+
+    paths: tuple[str, ...] | list[str] | str
+    tokenizer: str | None = None
+
+    def spec(self) -> DataSpec:
+        """What the ranks receive (absolute paths: their working directory may differ)."""
+        paths = (self.paths,) if isinstance(self.paths, (str, os.PathLike)) else tuple(self.paths)
+        tokenizer = None if self.tokenizer is None else os.path.abspath(self.tokenizer)
+        return DataSpec(DataKind.TEXT, paths=tuple(os.path.abspath(p) for p in paths), tokenizer=tokenizer)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A 1-D tensor or array of token ids, or the path of a ``.npy`` or ``.pt`` file of them."""
+
+    ids: Any
+
+    def spec(self) -> DataSpec:
+        """What the ranks receive: the file, written once per content when the ids are in memory."""
+        if isinstance(self.ids, (str, os.PathLike)):
+            return DataSpec(DataKind.TOKENS, paths=(os.path.abspath(self.ids),))
+        ids = torch.as_tensor(self.ids)
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            raise ConfigError([("data-file", f"token ids are a 1-D tensor of ints, got {ids.dtype} "
+                                f"{tuple(ids.shape)}")])
+        array = ids.long().numpy()
+        folder = os.path.join(tempfile.gettempdir(), "cluster-lab-data")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, hashlib.sha1(array.tobytes()).hexdigest() + ".npy")
+        if not os.path.exists(path):  # named by content: another run on the same ids reads the same file
+            import numpy as np
+
+            partial = f"{path}.{os.getpid()}.partial.npy"
+            np.save(partial, array)
+            os.replace(partial, path)
+        return DataSpec(DataKind.TOKENS, paths=(path,))
+
+
+@dataclass(frozen=True)
+class ModularAddition:
+    """Problems "a b = c" with c = (a + b) mod ``modulus``; the model's vocab must hold modulus + 2 ids."""
+
+    modulus: int = 11
+
+    def spec(self) -> DataSpec:
+        """What the ranks receive."""
+        return DataSpec(DataKind.TASK, task="modular_addition", modulus=self.modulus)
+
+    def accuracy(self, model: GPTConfig, result: Any, *, batches: int = 4, batch_size: int = 64) -> float:
+        """The share of answers the trained weights of ``result`` (``run(return_params=True)``) get right.
+
+        Measured here, on ``batches`` fresh batches of problems (steps the run never trained on).
+        """
+        params = whole_parameters(result)
+        gpt = build_gpt(dataclasses.replace(model, seed=0))
+        gpt.load_state_dict(params)
+        run = RunConfig(model={k: v for k, v in dataclasses.asdict(model).items() if k != "seed"}, data=self.spec())
+        task, scores = dataset(run), []
+        with torch.no_grad():
+            for i in range(batches):
+                inputs, targets = task.global_batch(10**9 + i, batch_size)
+                scores.append(answer_accuracy(gpt(inputs), targets))
+        return sum(scores) / len(scores)
+
+
+def whole_parameters(result: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of a run's model, whole, from the ranks' ``params`` (pipeline stages joined by name)."""
+    if not getattr(result, "params", None):
+        raise ValueError("the result holds no parameters: run it with return_params=True")
+    out: dict[str, torch.Tensor] = {}
+    for rank_params in result.params.values():
+        out.update({name: torch.tensor(value) for name, value in rank_params.items()})
+    return out
+
+
+def data_spec(data: Any) -> DataSpec:
+    """The ``DataSpec`` of what ``data=`` names (module docstring); ConfigError [data] for anything else."""
+    if data is None:
+        return DataSpec()
+    if isinstance(data, DataSpec):  # a saved run's (Training.load)
+        return data
+    if isinstance(data, (Text, Tokens, ModularAddition)):
+        return data.spec()
+    if isinstance(data, (str, os.PathLike)):
+        return Text(data).spec()
+    if isinstance(data, (list, tuple)) and data and all(isinstance(p, (str, os.PathLike)) for p in data):
+        return Text(tuple(data)).spec()
+    if hasattr(data, "__array__") or isinstance(data, torch.Tensor):
+        return Tokens(data).spec()
+    raise ConfigError([("data", "data is None, lab.Text, lab.Tokens, lab.ModularAddition, a path or a list of "
+                        f"paths, or a 1-D tensor of token ids; got {type(data).__name__}")])
+
+
+def data_problems(spec: DataSpec, model: GPTConfig) -> list[Problem]:
+    """[data-file], [data-vocab], [data-length]: what the ranks would find, found here with their own code."""
+    for path in spec.paths + ((spec.tokenizer,) if spec.tokenizer else ()):
+        if not os.path.isfile(path):
+            return [("data-file", f"{path} is not a file this process can read (a pool on several hosts needs it "
+                     "at the same path on each)")]
+    run = RunConfig(model={k: v for k, v in dataclasses.asdict(model).items() if k != "seed"}, data=spec)
+    try:
+        dataset(run)
+    except ConfigError as error:
+        return error.problems
+    except (OSError, ValueError, RuntimeError, ImportError) as error:  # unreadable, not ids, no tokenizers
+        return [("data-file", f"{spec.describe()}: {type(error).__name__}: {error}")]
+    return []
