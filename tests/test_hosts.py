@@ -67,7 +67,7 @@ def test_flipped_mesh_order_matches_the_planners_coordinates():
             rows = grid.movedim(i, -1).reshape(-1, dims[axis]).tolist()
             assert sorted(rows) == sorted(axis_groups(dims["dp"], dims["tp"], dims["pp"], axis, order)), (order, axis)
     with pytest.raises(ValueError, match="mesh_order must name pp, dp and tp"):
-        RunConfig(dp=2, tp=2, mesh_order=("pp", "dp", "dp"))
+        RunConfig.from_options({"dp": 2, "tp": 2, "mesh_order": ("pp", "dp", "dp")})
 
 
 def test_hosts_says_it_needs_root(monkeypatch):
@@ -108,7 +108,7 @@ def test_ranks_are_numbered_host_by_host_on_reachable_addresses(two_hosts):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_hosts_train_like_one_process(two_hosts, layout):
     cfg = {**BASE, **LAYOUTS[layout]}
-    ref = train_reference(RunConfig.from_dict(cfg))
+    ref = train_reference(RunConfig.from_options(cfg))
     results = two_hosts.run(train_rank, cfg)
     for rank, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref["losses"], rel=1e-4), f"rank {rank} losses"

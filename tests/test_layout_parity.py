@@ -164,7 +164,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @functools.lru_cache(maxsize=None)
 def _reference(key: str) -> dict:
-    return train_reference(RunConfig.from_dict(json.loads(key)))
+    return train_reference(RunConfig.from_options(json.loads(key)))
 
 
 def _check_params(rank: int, got: dict, ref: dict, tol: dict, init: dict) -> None:
@@ -197,7 +197,7 @@ def test_layout_trains_like_one_process(request, layout_id):
     print(f"{layout_id}: {time.perf_counter() - start:.2f}s on the pool")
     assert pool.run(live_group_count) == [1] * pool.world_size, "sub-groups left behind"
     results = results[:cfg.get("world_size", len(results))]  # ranks beyond world_size sat the run out
-    init = dict(build_gpt(model_config(RunConfig.from_dict(cfg))).named_parameters())
+    init = dict(build_gpt(model_config(RunConfig.from_options(cfg))).named_parameters())
     for rank, res in enumerate(results):
         json.dumps({k: res[k] for k in ("losses", "grad_norms", "step_times", "layout")})  # JSON-able records
         assert res["losses"] == pytest.approx(ref["losses"], rel=tol["loss_rtol"]), f"rank {rank} losses"

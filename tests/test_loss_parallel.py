@@ -30,7 +30,7 @@ def test_loss_parallel_drops_the_logits_gather_and_trains_like_one_process(clust
     for on in (False, True):
         exp = lab.Experiment(cluster, TINY, lab.Parallel(**layout, loss_parallel=on), global_batch=GLOBAL_BATCH,
                              steps=STEPS, measure=True)
-        assert exp.config()["loss_parallel"] is on
+        assert exp.config()["strategy"]["loss_parallel"] is on
         runs[on] = exp.run()
     reference = exp.reference()
     for on, result in runs.items():
