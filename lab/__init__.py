@@ -24,7 +24,7 @@ _HOME = {
     "Cluster": "lab.pool.cluster", "OversubscribedWarning": "lab.pool.cluster_world",
     "ConfigError": "kernels.contract.config_rules",
     "Controls": "lab.run.controls",
-    "GPTConfig": "kernels.model.gpt",
+    "GPTConfig": "kernels.model.gpt", "LlamaConfig": "kernels.model.llama",
     "DryRunReport": "lab.planning.dry_run", "dry_run": "lab.planning.dry_run",
     "DeadRankError": "lab.errors", "LabError": "lab.errors", "PoolStoppedError": "lab.errors",
     "PoolBusyError": "lab.errors",
@@ -46,8 +46,9 @@ _HOME = {
     "Text": "lab.run.data_sources", "Tokens": "lab.run.data_sources", "ModularAddition": "lab.run.data_sources",
     "ParameterServer": "lab.ps.parameter_server", "PSResult": "lab.ps.ps_result",
 }
-# lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) names the model to train
-_ALIASES = {"GPT": "GPTConfig"}
+# lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) or
+# lab.Llama(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq_len=32) names the model to train
+_ALIASES = {"GPT": "GPTConfig", "Llama": "LlamaConfig"}
 
 __all__ = sorted([*_HOME, *_ALIASES])
 

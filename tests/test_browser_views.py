@@ -83,7 +83,7 @@ def test_views_fed_by_four_ranks_draw_in_jupyterlab(tmp_path):
 
         sharding = page.locator(".cl-sharding").first
         assert sharding.locator(".cl-shard-row").count() == 4
-        assert "fsdp" in sharding.locator(".cl-sharding-title").inner_text()
+        assert "DP4, ZeRO-3 (FSDP2" in sharding.locator(".cl-sharding-title").inner_text()  # Strategy.describe
         assert page.locator(".cl-rank").count() == 4
         ring = page.locator(".cl-collective").first
         assert ring.locator(".cl-ring-step").count() == 7  # all_reduce on 4 ranks: inputs + 3 RS + 3 AG

@@ -107,7 +107,9 @@ def test_exported_weights_load_into_another_layout_like_into_one_process(cluster
     out = lab.export(lab.checkpoints(root)[-1], tmp_path / "model.safetensors")
     from safetensors import safe_open
 
-    from kernels.model.gpt import build_gpt, model_config
+    from kernels.model.gpt import build_gpt
+
+    from kernels.model.family import model_config
     from kernels.contract.run_config import RunConfig
 
     with safe_open(str(out), "pt") as f:

@@ -80,7 +80,8 @@ def _gathered(result: lab.RunResult) -> dict[str, torch.Tensor]:
 
 
 def _init() -> dict[str, torch.Tensor]:
-    from kernels.model.gpt import build_gpt, model_config
+    from kernels.model.gpt import build_gpt
+    from kernels.model.family import model_config
     from kernels.contract.run_config import RunConfig
 
     return dict(build_gpt(model_config(RunConfig(model=MODEL))).named_parameters())

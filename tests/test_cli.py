@@ -125,7 +125,7 @@ def test_the_readme_torchrun_line_trains_like_one_process_with_no_warning_and_sa
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "view tensor" not in done.stderr and "UserWarning" not in done.stderr, done.stderr
-    assert "pp 1 x dp 2 x tp 2: FSDP2 replicating over dp" in done.stdout
+    assert "TP2×DP2, ZeRO-0 (DP through FSDP2 replicate: whole parameters, all-reduced gradients, as DDP" in done.stdout
     steps = re.findall(r"step \d+: loss (\S+)  reference (\S+)", done.stdout)
     # The parity bound (rtol 1e-4, as every fp32 layout): TP sums in another order than one process, so
     # the printed sixth decimal can differ (3.974926 against 3.974925 at step 2 on an AMD EPYC here).

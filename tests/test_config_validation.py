@@ -22,7 +22,8 @@ import lab
 from kernels.contract import config_rules, layout_rules
 from kernels.contract.config_rules import ConfigError
 from kernels.train.data import _BRANCH_WEIGHTS, dataset
-from kernels.model.gpt import GPT, model_config
+from kernels.model.gpt import GPT
+from kernels.model.family import model_config
 from kernels.train.optimizer import build_optimizer
 from kernels.contract.run_config import RunConfig
 from kernels.measure.synthetic import SyntheticCost
@@ -100,9 +101,20 @@ REFUSALS = {
 }
 
 
+LLAMA = dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, seq_len=16)
+
+
 # id -> (what builds it on a pool, the rule that refuses it): configs that are no lab.GPT / lab.Parallel triple.
 DIRECT_REFUSALS = {
     "experiment-model-a-dict": (lambda pool: lab.Experiment(pool, TINY, lab.Parallel(dp=4)), "argument-types"),
+    "llama-kv-heads-tp": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA), lab.Parallel(tp=4)), "tp-kv-heads"),
+    "llama-ffn-tp": (lambda pool: lab.Experiment(pool, lab.Llama(**{**LLAMA, "kv_heads": 4, "ffn": 66}),
+                                                 lab.Parallel(tp=4)), "tp-ffn"),
+    "llama-measure": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA), lab.Parallel(dp=4), measure=True),
+                      "measure-model"),
+    "llama-tied-head": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA, tied_embeddings=True),
+                                                    lab.Parallel(dp=4)), "model-keys"),
+    "llama-hidden-heads": (lambda pool: lab.Llama(**{**LLAMA, "heads": 3}), "heads-d-model"),
     "experiment-parallel-a-dict": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), {"dp": 4}), "argument-types"),
     "rank-config-unknown-model-key": (lambda pool: RunConfig(model={"width": 3}), "model-keys"),
     "rank-config-model-a-list": (lambda pool: RunConfig(model=[2]), "model-keys"),

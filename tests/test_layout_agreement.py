@@ -20,7 +20,8 @@ import lab
 from kernels.contract.config_rules import ConfigError
 from kernels.contract.layout_combinations import tp_split_problems
 from kernels.contract.run_config import RunConfig
-from kernels.model.gpt import GPT, keep_stage, model_config
+from kernels.model.gpt import GPT
+from kernels.model.family import keep_stage, model_config
 
 MODEL = {"layers": 4, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 WORLD, GLOBAL_BATCH = 4, 8
@@ -60,7 +61,7 @@ def rank_rules(fields: dict) -> set[str]:
     strategy = run.strategy
     with torch.device("meta"):
         model = GPT(model_config(run))
-    found = {rule for rule, _ in tp_split_problems(strategy.tp, model.tp_sizes(), strategy.sequence_parallel)}
+    found = {rule for rule, _ in tp_split_problems(strategy.tp, model.tp_sizes(strategy.sequence_parallel), strategy.sequence_parallel)}
     if strategy.pp > 1:  # each pp rank cuts its stages out of the model
         try:
             keep_stage(model, 0, strategy.num_stages)

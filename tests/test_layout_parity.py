@@ -53,7 +53,8 @@ import pytest
 import torch
 
 from kernels.contract.layout_rules import MESH_AXES, SCHEDULES, coords, default_stages_per_rank
-from kernels.model.gpt import build_gpt, model_config
+from kernels.model.gpt import build_gpt
+from kernels.model.family import model_config
 from kernels.parallel.mesh import live_group_count
 from kernels.train.reference import train_reference
 from kernels.contract.run_config import RunConfig

@@ -18,7 +18,9 @@ def _logits_dtype(layout: dict) -> str:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from kernels.model.gpt import build_gpt, model_config
+    from kernels.model.gpt import build_gpt
+
+    from kernels.model.family import model_config
     from kernels.parallel.mesh import build_mesh, destroy_mesh_groups
     from kernels.parallel.parallelize import parallelize
     from kernels.contract.run_config import RunConfig

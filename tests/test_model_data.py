@@ -10,7 +10,8 @@ from torch.utils.data import DistributedSampler
 
 from kernels.train.data import SyntheticTokens, microbatches, shard_batch
 from kernels.contract.layout_rules import layer_split
-from kernels.model.gpt import GPTConfig, build_gpt, count_parameters, keep_stage, loss_fn
+from kernels.model.gpt import GPTConfig, build_gpt, count_parameters, loss_fn
+from kernels.model.family import keep_stage
 
 TINY = GPTConfig(layers=2, d_model=32, heads=2, vocab=32, seq_len=16, seed=0)
 

@@ -14,12 +14,12 @@ def _step_twice(schedule: str, stages_per_rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from kernels.model.gpt import loss_fn
+    from kernels.model.gpt import GPTConfig, loss_fn
     from kernels.parallel.p2p_staging import staged_p2p
     from kernels.parallel.pipeline import build_pipeline, pipeline_step
 
     rank = dist.get_rank()
-    cfg = {"layers": 4 * stages_per_rank, "d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8}
+    cfg = GPTConfig(layers=4 * stages_per_rank, d_model=16, heads=2, vocab=32, seq_len=8)
     x = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
     out = {}
     for staged in (False, True):

@@ -88,11 +88,11 @@ def one_rank_world():
 def test_tracing_off_installs_no_wrappers(one_rank_world):
     from torch.distributed.pipelining import schedules
 
-    from kernels.model.gpt import loss_fn
+    from kernels.model.gpt import GPTConfig, loss_fn
     from kernels.parallel.pipeline import build_pipeline, pipeline_step
     from kernels.measure.trace import TraceRecorder, is_instrumented, traced
 
-    rt = build_pipeline({"layers": 2, "d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8},
+    rt = build_pipeline(GPTConfig(layers=2, d_model=16, heads=2, vocab=32, seq_len=8),
                         "gpipe", 0, 1, 1, 2, None, "cpu", loss_fn)
     original_p2p = schedules._batch_p2p
     x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))  # (B, T) token ids

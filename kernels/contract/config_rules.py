@@ -30,6 +30,9 @@ Problem = tuple[str, str]  # (rule name, message in words)
 MIXED_PRECISION = (None, "bf16")
 MODEL_SIZES = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff")
 MODEL_KEYS = (*MODEL_SIZES, "bias")
+# A Llama 3 (kernels.model.llama) names its family; kv_heads may be None (= heads).
+LLAMA_SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len")
+LLAMA_KEYS = ("family", *LLAMA_SIZES, "rope_theta", "norm_eps")
 # kernels.train.data's Markov chain gives every token 4 distinct successors (its _BRANCH_WEIGHTS),
 # drawn from the vocabulary, so a smaller vocabulary cannot hold the chain.
 DATA_MIN_VOCAB = 4
@@ -94,9 +97,11 @@ def sharding_problems(zero: Any, fsdp_strategy: Any, mixed_precision: Any) -> li
 
 def model_problems(model: Any) -> list[Problem]:
     """The model's fields, those present (d_ff may be None): known keys, positive sizes, heads dividing
-    d_model, bias a bool."""
+    d_model, bias a bool; a Llama's (``"family": "llama"``) by ``llama_problems``."""
     if not isinstance(model, Mapping):
         return [("model-keys", f"the model must be a dict of {list(MODEL_KEYS)}, got {model!r:.80}")]
+    if model.get("family") == "llama":
+        return llama_problems(model)
     bad = sorted(set(model) - set(MODEL_KEYS), key=str)
     if bad:
         return [("model-keys", f"unknown model keys {bad}; known: {list(MODEL_KEYS)}")]
@@ -106,6 +111,24 @@ def model_problems(model: Any) -> list[Problem]:
     d_model, heads = model.get("d_model"), model.get("heads")
     if not out and is_int(d_model) and is_int(heads) and d_model % heads:
         out.append(("heads-d-model", f"d_model={d_model} must be divisible by heads={heads}"))
+    return out
+
+
+def llama_problems(model: Mapping[str, Any]) -> list[Problem]:
+    """A Llama's fields: known keys, positive sizes, hidden divided by heads and heads by kv_heads, and
+    a finite RoPE base and norm epsilon > 0."""
+    bad = sorted(set(model) - set(LLAMA_KEYS), key=str)
+    if bad:
+        return [("model-keys", f"unknown Llama keys {bad}; known: {list(LLAMA_KEYS)}")]
+    out = size_problems({k: model[k] for k in LLAMA_SIZES if k in model and k != "kv_heads"},
+                        {"kv_heads": model.get("kv_heads")})
+    reals = {k: model[k] for k in ("rope_theta", "norm_eps") if k in model}
+    out += [("model-keys", f"{k}={v!r} must be a finite number > 0") for k, v in reals.items()
+            if not (is_real(v) and v > 0)]
+    hidden, heads, kv = model.get("hidden"), model.get("heads"), model.get("kv_heads")
+    if not out and is_int(hidden) and is_int(heads) and (hidden % heads or (is_int(kv) and heads % kv)):
+        out.append(("heads-d-model", f"hidden={hidden} must be divisible by heads={heads}, and heads by "
+                    f"kv_heads={kv}"))
     return out
 
 

@@ -21,6 +21,7 @@ from kernels.contract.layout_rules import (FSDP_STRATEGY_ZERO, SCHEDULES, defaul
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 # What tensor parallelism splits in the lab's models, and why each must divide by tp.
 TP_SPLIT = {"heads": ("tp-heads", ""), "d_model": ("tp-d-model", ""), "d_ff": ("tp-d-ff", ""),
+            "kv_heads": ("tp-kv-heads", ": each rank keeps whole key/value heads"), "ffn": ("tp-ffn", ""),
             "vocab": ("tp-vocab", ": the token embedding and the LM head are split over the vocab"),
             "seq_len": ("tp-seq-len", ": the position table is split over positions")}
 

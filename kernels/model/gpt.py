@@ -40,9 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from kernels.contract import config_rules, layout_rules
-from kernels.contract.layout_combinations import stage_split_problems
-from kernels.contract.run_config import RunConfig
+from kernels.contract import config_rules
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+    def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
+        """The sizes tensor parallelism splits (the position table splits over seq_len even without SP)."""
+        return {"heads": self.heads, "d_model": self.d_model, "d_ff": self.d_ff, "vocab": self.vocab,
+                "seq_len": self.seq_len}
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -147,37 +150,38 @@ class GPT(nn.Module):
             x = self.lm_head(x)  # (B, T, V)
         return x
 
-    def tp_sizes(self) -> dict[str, int]:
+    def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
         """The sizes tensor parallelism splits: each must be divisible by tp."""
-        c = self.config
-        return {"heads": c.heads, "d_model": c.d_model, "d_ff": c.d_ff, "vocab": c.vocab, "seq_len": c.seq_len}
+        return self.config.tp_sizes(sequence_parallel)
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
         """(plan of every block, plan of the modules outside them) for ``parallelize_module``."""
-        return block_tp_plan(sequence_parallel), outer_tp_plan(sequence_parallel, loss_parallel)
+        return (block_tp_plan(sequence_parallel, ("attn.q", "attn.k", "attn.v", "mlp.fc_in"), ("attn.out", "mlp.fc_out")),
+                outer_tp_plan(sequence_parallel, loss_parallel))
 
 
-def block_tp_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """The Megatron TP plan of one Block (kernels.parallel.tensor_parallel explains the collectives)."""
+def block_tp_plan(sequence_parallel: bool, columns: tuple[str, ...], rows: tuple[str, ...]) -> dict[str, Any]:
+    """The Megatron TP plan of one Block: ``columns`` split by output, ``rows`` by input (each block output).
+
+    ``kernels.parallel.tensor_parallel`` explains the collectives. A ``Block``'s norms and its
+    ``attn``/``mlp`` halves have the same names in every model of the lab; only the projections differ.
+    """
     if not sequence_parallel:
-        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                "attn.out": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+        return {**{name: ColwiseParallel() for name in columns}, **{name: RowwiseParallel() for name in rows}}
     # SP: the residual stream between blocks is (B, T/tp, C) on each rank, Shard(1).
-    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
-        "attn_norm": SequenceParallel(),  # LayerNorm on (B, T/tp, C)
-        "attn": gather_input,  # all_gather to (B, T, C); backward: reduce_scatter
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(output_layouts=Shard(1)),  # reduce_scatter to (B, T/tp, C)
+        "attn_norm": SequenceParallel(),  # the norm on (B, T/tp, C)
+        # all_gather to (B, T, C); backward: reduce_scatter
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp_norm": SequenceParallel(),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.fc_in": ColwiseParallel(),
-        "mlp.fc_out": RowwiseParallel(output_layouts=Shard(1)),
+        **{name: ColwiseParallel() for name in columns},
+        **{name: RowwiseParallel(output_layouts=Shard(1)) for name in rows},  # reduce_scatter to (B, T/tp, C)
     }
 
 
 def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
-    """The TP plan of the embeddings, final norm and LM head."""
+    """The TP plan of the embeddings (``pos_emb`` where the model has one), final norm and LM head."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         # Row-parallel embedding: each rank looks up its vocab rows (zeros elsewhere),
@@ -199,7 +203,7 @@ def outer_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any
     return plan
 
 
-def _param_seed(seed: int, name: str) -> int:
+def param_seed(seed: int, name: str) -> int:
     """A seed for one parameter from the model seed and the parameter's stable name."""
     return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) % (2**63)
 
@@ -222,14 +226,9 @@ def init_weights(model: GPT, seed: int) -> None:
                 p.zero_()
             else:
                 residual = mod_name.endswith(("attn.out", "mlp.fc_out"))
-                g = torch.Generator().manual_seed(_param_seed(seed, name))
+                g = torch.Generator().manual_seed(param_seed(seed, name))
                 draw = torch.empty(p.shape).normal_(0.0, std_residual if residual else 0.02, generator=g)
                 p.copy_(draw)
-
-
-def model_config(run: RunConfig) -> GPTConfig:
-    """The GPTConfig a run names: its model fields with the run's seed."""
-    return GPTConfig(seed=run.seed, **run.model)
 
 
 def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
@@ -242,26 +241,6 @@ def build_gpt(cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
         model = GPT(cfg)
     model.to_empty(device=device)
     init_weights(model, cfg.seed)
-    return model
-
-
-def keep_stage(model: GPT, stage: int, num_stages: int) -> GPT:
-    """Cut ``model`` in place down to pipeline stage ``stage`` of ``num_stages``.
-
-    Stage 0 keeps the embeddings, the last stage keeps ``norm`` and ``lm_head``, and
-    each keeps its own contiguous blocks under their original names.
-    """
-    problems = stage_split_problems(model.config.layers, num_stages)  # the rule lab.Parallel applies
-    if problems:
-        raise config_rules.ConfigError(problems)
-    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
-    for name in list(model.blocks.keys()):
-        if name not in keep:
-            del model.blocks[name]
-    if stage != 0:
-        model.tok_emb = model.pos_emb = None
-    if stage != num_stages - 1:
-        model.norm = model.lm_head = None
     return model
 
 

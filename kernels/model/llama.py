@@ -30,17 +30,15 @@ Run alone (builds Llama-3-70B on meta and prints its parameter count)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-from kernels.contract import layout_rules
-from kernels.model.gpt import Block, count_parameters, split_heads
+from kernels.contract import config_rules, layout_rules
+from kernels.model.gpt import Block, block_tp_plan, count_parameters, outer_tp_plan, param_seed, split_heads
 
 
 @dataclass(frozen=True)
@@ -58,17 +56,25 @@ class LlamaConfig:
     bias: bool = False  # Linear biases and LayerNorm instead of RMSNorm (GPT, BERT)
     rope_theta: float = 500000.0  # Llama 3's RoPE base
     norm_eps: float = 1e-5
+    seed: int = 0  # a trained Llama's initial weights depend on this seed only (init_weights)
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"LlamaConfig: hidden={self.hidden} must divide by heads={self.heads}, "
-                             f"and heads by kv_heads={self.kv_heads}")
+        fields = {name: getattr(self, name) for name in config_rules.LLAMA_KEYS if name != "family"}
+        problems = config_rules.llama_problems(fields) + config_rules.seed_problems({"seed": self.seed})
+        if problems:  # the rules a run's model dict meets on the ranks too (kernels.contract.config_rules)
+            raise config_rules.ConfigError(problems)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
+        """The sizes tensor parallelism splits: query and key/value heads, the MLP width, the vocabulary;
+        the sequence too under sequence parallel (and the position table, where there is one)."""
+        sizes = {"heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab}
+        return {**sizes, "seq_len": self.seq_len} if sequence_parallel or self.learned_pos else sizes
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -154,40 +160,58 @@ class Llama(nn.Module):
         if self.norm is None:  # not the last stage
             return x
         x = self.norm(x)  # (B, T, C)
-        head = self.lm_head.weight if self.lm_head is not None else self.tok_emb.weight
-        return F.linear(x, head)  # (B, T, V)
+        if self.lm_head is not None:  # the module itself, so that a TP plan on it applies
+            return self.lm_head(x)  # (B, T, V)
+        return F.linear(x, self.tok_emb.weight)  # tied: (B, T, V)
 
-    def tp_sizes(self) -> dict[str, int]:
+    def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
         """The sizes tensor parallelism splits: each must be divisible by tp."""
-        c = self.config
-        return {"heads": c.heads, "kv_heads": c.kv_heads, "ffn": c.ffn, "vocab": c.vocab}
+        return self.config.tp_sizes(sequence_parallel)
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
-        """Megatron's plan: q/k/v/gate/up column-wise, o/down row-wise; the embedding row-parallel
-        over the vocab (forward all_reduce), the head column-parallel over it; norms replicated."""
-        if sequence_parallel or loss_parallel:
-            raise ValueError("Llama's TP plan has no sequence or loss parallelism")
-        block = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                 "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
-        if self.config.gated_mlp:
-            block["mlp.gate"] = ColwiseParallel()
-        outer = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
-                 "lm_head": ColwiseParallel(output_layouts=Replicate())}
-        return block, outer
+        """Megatron's plan, as the GPT's: q/k/v/gate/up column-wise, o/down row-wise; the embedding
+        row-parallel over the vocab, the head column-parallel over it; with sequence parallel the norms
+        work on sequence shards, with loss parallel the logits stay sharded over the vocab."""
+        columns = ("attn.q", "attn.k", "attn.v", "mlp.up") + (("mlp.gate",) if self.config.gated_mlp else ())
+        return (block_tp_plan(sequence_parallel, columns, ("attn.o", "mlp.down")),
+                outer_tp_plan(sequence_parallel, loss_parallel))
 
 
 def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device = "meta",
                 dtype: torch.dtype = torch.bfloat16) -> Llama:
-    """Build the model on ``device`` (``meta``: shapes only, nothing allocated) in ``dtype``."""
+    """Build the model on ``device`` (``meta``: shapes only, nothing allocated) in ``dtype``.
+
+    On a real device the weights are the ones ``cfg.seed`` fixes (``init_weights``): the same on
+    every rank and in the one-process reference, with no broadcast.
+    """
     cfg = cfg if isinstance(cfg, LlamaConfig) else LlamaConfig.from_dict(cfg)
-    with torch.device(device):
+    with torch.device("meta"):
         model = Llama(cfg)
-    model.to(dtype)
-    if device != "meta" and str(device) != "meta":
-        with torch.no_grad():  # small real models: N(0, 0.02) weights, so a forward is finite
-            for name, p in model.named_parameters():
-                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(0.0 if name.endswith("bias") else 1.0)
-    return model
+    if str(device) == "meta":
+        return model.to(dtype)
+    model.to_empty(device=device)
+    init_weights(model, cfg.seed)
+    return model.to(dtype)
+
+
+@torch.no_grad()
+def init_weights(model: Llama, seed: int) -> None:
+    """N(0, 0.02) matrices and embeddings, unit norm scales, zero biases; the residual projections
+    (``attn.o``, ``mlp.down``) 0.02/sqrt(2L), as GPT-2 scales them. Each tensor is drawn on the CPU
+    from its own generator seeded by (seed, name), so the weights do not depend on the device or on
+    the order modules are built in."""
+    std_residual = 0.02 / math.sqrt(2 * model.config.layers)
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                p.fill_(1.0 if p_name == "weight" else 0.0)
+            elif p_name == "bias":
+                p.zero_()
+            else:
+                std = std_residual if mod_name.endswith(("attn.o", "mlp.down")) else 0.02
+                g = torch.Generator().manual_seed(param_seed(seed, name))
+                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 
 
 def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:

@@ -95,12 +95,12 @@ def needs_staging(device: torch.device, group: dist.ProcessGroup | None) -> bool
 def _selftest(rank: int, port: int) -> None:
     import os
 
-    from kernels.model.gpt import loss_fn
+    from kernels.model.gpt import GPTConfig, loss_fn
     from kernels.parallel.pipeline import build_pipeline, pipeline_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    cfg = {"layers": 2, "d_model": 16, "heads": 2, "vocab": 32, "seq_len": 8}
+    cfg = GPTConfig(layers=2, d_model=16, heads=2, vocab=32, seq_len=8)
     x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
     losses = []
     for staged in (False, True):

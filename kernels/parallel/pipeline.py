@@ -44,7 +44,7 @@ from torch.distributed.pipelining import (
 
 from kernels.contract import layout_rules
 from kernels.contract.layout_rules import Schedule
-from kernels.model.gpt import GPTConfig, build_gpt, keep_stage
+from kernels.model.family import ModelConfig, build_model, keep_stage
 
 # gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
 # Names and placement families: kernels.contract.layout_rules.
@@ -103,24 +103,23 @@ class MicrobatchMeanLoss:
         return self.loss_fn(output, target) / self.m  # scalar; output (b, T, V), target (b, T)
 
 
-def build_pipeline(model_cfg: GPTConfig | dict, schedule: str, pp_rank: int, pp_size: int,
+def build_pipeline(cfg: ModelConfig, schedule: str, pp_rank: int, pp_size: int,
                    stages_per_rank: int, microbatches: int, pp_group: dist.ProcessGroup | None,
                    device: torch.device | str, loss_fn: Callable, *,
                    model_transform: Callable[[nn.Module], nn.Module | None] | None = None,
                    ) -> PipelineRuntime:
-    """Build this rank's stages of the seeded GPT and the torch schedule that runs them.
+    """Build this rank's stages of the seeded model (``kernels.model.family``) and the torch schedule that runs them.
 
     ``model_transform(module)`` is applied to each stage module before it is wrapped
     (the hook for TP/FSDP/DDP on a sub-mesh); it may change the module in place
     (return None) or return a replacement.
     """
-    cfg = GPTConfig(**model_cfg) if isinstance(model_cfg, dict) else model_cfg
     schedule = layout_rules.canonical_schedule(schedule)
     check_schedule(schedule, pp_size, stages_per_rank, microbatches)
     device = torch.device(device)
     num_stages = pp_size * stages_per_rank
     stage_ids = list(layout_rules.stage_ids(schedule, pp_rank, pp_size, stages_per_rank))
-    full = build_gpt(cfg, device)  # every rank builds the same seeded weights, no broadcast needed
+    full = build_model(cfg, device)  # every rank builds the same seeded weights, no broadcast needed
     modules, stages = [], []
     for sid in stage_ids:
         # A deep copy per stage: keep_stage cuts in place, and each stage owns its tensors.

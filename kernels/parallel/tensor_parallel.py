@@ -49,7 +49,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     Every tp rank must hold the same weights (built from one seed, or on the meta device).
     """
     tp = tp_mesh.size()
-    problems = tp_split_problems(tp, model.tp_sizes(), sequence_parallel)  # the rules lab.Parallel applies
+    problems = tp_split_problems(tp, model.tp_sizes(sequence_parallel), sequence_parallel)  # the rules lab.Parallel applies
     if problems:
         raise ConfigError(problems)
     block_plan, outer_plan = model.tp_plan(sequence_parallel, loss_parallel)

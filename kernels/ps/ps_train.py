@@ -1,7 +1,7 @@
 """Parameter-server training on the pool's ranks: ranks 0..servers-1 serve shards, the others are workers.
 
 Algorithm: see ``kernels.ps.parameter_server`` (Li et al., OSDI 2014). Every rank builds the
-same model from the seed (``kernels.model.gpt.build_gpt``); each server keeps the parameters
+same model from the seed (``kernels.model.family.build_model``); each server keeps the parameters
 ``split_by_bytes`` gives it and an optimizer over them. Worker w (rank servers + w) trains
 step t on its share of step t's global batch (``kernels.train.batches.BatchStream`` with
 dp = workers, dp_rank = w), exactly the batch a DDP rank w would see. Each step it:
@@ -42,7 +42,8 @@ from kernels.ps import ps_rpc
 from kernels.watch import progress
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
-from kernels.model.gpt import build_gpt, loss_fn, model_config
+from kernels.model.gpt import loss_fn
+from kernels.model.family import build_model, model_config
 from kernels.watch.collective_log import CollectiveLog
 from kernels.ps.parameter_server import ShardServer, split_by_bytes
 from kernels.ps.ps_watch import PUSH_GROUP, logged_barrier, ps_watch
@@ -91,7 +92,7 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     link = cfg["rpc"]
     ps_rpc.start_rpc(rank, world, link["master_addr"], link["port"], link["bind_addrs"][rank], link["timeout_s"])
     try:
-        model = build_gpt(model_config(run))
+        model = build_model(model_config(run))
         sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         shards = split_by_bytes(sizes, servers)
         if rank < servers:

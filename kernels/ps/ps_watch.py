@@ -23,10 +23,11 @@ ipyparallel, for a driver on another host.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch.distributed as dist
 
+from kernels.contract.faults import Fault
 from kernels.watch import faults as fault_kinds
 from kernels.watch import flight_recorder
 from kernels.watch.collective_log import CollectiveLog
@@ -35,7 +36,7 @@ PUSH_GROUP = "workers"
 
 
 @contextlib.contextmanager
-def ps_watch(rank: int, faults: list[dict[str, Any]]) -> Iterator[CollectiveLog]:
+def ps_watch(rank: int, faults: list[Fault]) -> Iterator[CollectiveLog]:
     """This rank's collective log (and its beacon on an engine) for one PS run; ``faults`` are this rank's."""
     log = CollectiveLog(rank)
     fault_kinds.note_slow(faults, log.note_fault)

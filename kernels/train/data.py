@@ -32,7 +32,7 @@ import torch
 from kernels.contract.config_rules import ConfigError
 from kernels.contract.data_spec import DataKind
 from kernels.contract.run_config import RunConfig
-from kernels.model.gpt import model_config
+from kernels.model.family import model_config
 from kernels.train.task_data import ModularAddition
 from kernels.train.token_data import TokenWindows, stream
 

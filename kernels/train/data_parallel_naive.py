@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels.train.data import dataset, shard_batch
-from kernels.model.gpt import build_gpt, loss_fn, model_config
+from kernels.model.gpt import loss_fn
+from kernels.model.family import build_model, model_config
 from kernels.contract.run_config import RunConfig
 
 
@@ -51,16 +52,16 @@ def compare_gradient_averaging(cfg: dict[str, Any]) -> dict[str, Any]:
     mine = indices[rank::world].tolist()  # what shard_batch takes, as DistributedSampler(shuffle=False) does
     x, y = shard_batch(inputs, targets, rank, world)  # (B/world, T)
 
-    naive = build_gpt(model_config(run))
+    naive = build_model(model_config(run))
     loss = loss_fn(naive(x), y)
     loss.backward()
     local = _grads(naive).clone()
     average_gradients_naive(naive)
 
-    ddp = DDP(build_gpt(model_config(run)))
+    ddp = DDP(build_model(model_config(run)))
     loss_fn(ddp(x), y).backward()  # DDP's hooks all-reduce bucket by bucket during backward
 
-    whole = build_gpt(model_config(run))
+    whole = build_model(model_config(run))
     loss_fn(whole(inputs), targets).backward()  # the global-batch gradient, in this one process
     hand, library, truth = _grads(naive), _grads(ddp.module), _grads(whole)
     return {"rank": rank, "samples": mine, "local_loss": loss.item(),

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.contract import layout_rules
-from kernels.model.gpt import model_config
+from kernels.model.family import model_config
 from kernels.parallel.mesh import dp_group
 from kernels.watch.progress import reporter_for
 from kernels.watch.rank_watch import RankWatch

@@ -2,7 +2,7 @@
 
 Algorithm: plain minibatch AdamW (Loshchilov & Hutter, 2019, "Decoupled Weight Decay
 Regularization"), or plain SGD with ``optimizer="sgd"``, on the whole global batch in one
-process: the same initial weights (``build_gpt`` with the seed), the same global batch per step
+process: the same initial weights (``kernels.model.family.build_model`` with the seed), the same global batch per step
 (``kernels.train.data.dataset(run).global_batch``), the same loss (mean over all B*T target tokens,
 or over the answers of a task) and the
 same optimizer hyper-parameters as ``kernels.train.entry.train_rank``. A parallel layout is
@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from kernels.train.data import dataset, microbatches
-from kernels.model.gpt import build_gpt, loss_fn, model_config
+from kernels.model.gpt import loss_fn
+from kernels.model.family import build_model, model_config
 from kernels.train.optimizer import build_optimizer
 from kernels.parallel.autocast import apply_autocast
 from kernels.contract.run_config import RunConfig
@@ -42,7 +43,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     checkpoint any layout saved (or a safetensors file), at its step: the one process
     reads the whole model and optimizer state.
     """
-    model = build_gpt(model_config(run))
+    model = build_model(model_config(run))
     optimizer = build_optimizer(model.parameters(), run)
     first = resume_point(run, model, optimizer)
     data = dataset(run)

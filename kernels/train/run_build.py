@@ -26,7 +26,8 @@ from kernels.engine import runtime
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
 from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record, step_probe
-from kernels.model.gpt import build_gpt, loss_fn, model_config
+from kernels.model.gpt import loss_fn
+from kernels.model.family import build_model, model_config
 from kernels.train.optimizer import build_optimizer, optimizer_class
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
@@ -82,7 +83,7 @@ class RankBuild:
             self._build_pipeline() if self.dims.pp > 1 else self._build_flat()
 
     def _build_flat(self) -> None:
-        self.model = parallelize(build_gpt(model_config(self.run), device=self.device), self.strategy, self.mesh,
+        self.model = parallelize(build_model(model_config(self.run), device=self.device), self.strategy, self.mesh,
                                  self.dp_mesh)
         self.params_module = unwrap(self.model)
         self.optimizer = rank_optimizer(self.params_module, self.strategy, self.mesh, self.run, self.device)

@@ -1,17 +1,17 @@
 """Faults on purpose, and compute paced to a known cost: what ``lab.Slow/Hang/Crash/Kill`` do on a rank.
 
-Each fault is a plain dict the driver checked before launch (``lab.run.faults``):
+Each fault is a ``kernels.contract.faults.Fault`` the driver checked before launch (``lab.run.faults``):
 
-- ``{"kind": "slow", "rank": r, "factor": f}``: rank r's compute takes f times as long.
+- ``Fault(SLOW, rank=r, factor=f)``: rank r's compute takes f times as long.
   With real compute each forward sleeps (f - 1) x its own measured time afterwards, and
   each backward sleeps (f - 1) x 2 x that forward time before it starts (the usual
   "backward costs two forwards"). With synthetic time (``synthetic_forward_s = t`` on a
   layout without pipeline) every rank's forward is padded to t and every backward
   sleeps 2t first, so compute has a known cost; the slow rank's are f x those;
-- ``{"kind": "hang", "rank": r, "at_step": s}``: rank r stops in the first forward of
+- ``Fault(HANG, rank=r, at_step=s)``: rank r stops in the first forward of
   step s and never comes back (it sleeps in short slices, so SIGINT still ends it);
-- ``{"kind": "crash", "rank": r, "at_step": s}``: rank r raises ``InjectedCrash`` there;
-- ``{"kind": "kill", "rank": r, "at_step": s}``: rank r SIGKILLs its own engine there.
+- ``Fault(CRASH, rank=r, at_step=s)``: rank r raises ``InjectedCrash`` there;
+- ``Fault(KILL, rank=r, at_step=s)``: rank r SIGKILLs its own engine there.
 
 The timing points are module hooks (forward pre/post hook, a gradient hook on the
 output for the start of backward), so every layout gets them without changing its

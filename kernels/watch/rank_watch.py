@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from kernels.contract.faults import Fault
 from kernels.watch import faults as fault_kinds
 from kernels.watch import flight_recorder
 from kernels.watch.collective_log import CollectiveLog
@@ -55,9 +56,9 @@ _OPS = {**{k: v for k, v in DIST_OPS.items() if k not in ("isend", "irecv")}, "b
 
 
 class RankWatch:
-    """One run's hooks on this rank (module docstring); ``faults`` are the run's fault dicts, every rank's."""
+    """One run's hooks on this rank (module docstring); ``faults`` are the run's faults, every rank's."""
 
-    def __init__(self, meshes: list[Any], faults: tuple[dict[str, Any], ...] = (),
+    def __init__(self, meshes: list[Any], faults: tuple[Fault, ...] = (),
                  synthetic_forward_s: float | None = None) -> None:
         self.rank = dist.get_rank()
         self.log = CollectiveLog(self.rank)

@@ -7,7 +7,7 @@ lists the complete ones as ``Checkpoint`` records, ``resume_path`` turns whateve
 ``.safetensors`` file) into the one path the ranks load, after checking that it exists,
 is complete and holds tensors of the model's shapes, so a bad resume fails here, named,
 before anything launches. ``export`` consolidates a checkpoint's weights in this process
-(DCP reads every rank's shards) into one safetensors file keyed by ``kernels.model.gpt.GPT``'s
+(DCP reads every rank's shards) into one safetensors file keyed by the model's (GPT or Llama)
 own parameter names.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 from kernels.checkpoint.files import (WEIGHTS_SUFFIX, CheckpointMismatchError, CheckpointMissingError, check_against,
                                       complete_checkpoints, directory_bytes, read_meta, resolve)
 from kernels.contract.config_rules import Problem
-from kernels.model.gpt import GPTConfig
+from kernels.contract.run_config import RunConfig
+from kernels.model.family import ModelConfig, meta_model, model_config
 
 
 @dataclass(frozen=True)
@@ -73,17 +74,12 @@ def resume_path(resume_from: Any) -> str:
     return str(resolve(path))
 
 
-def model_shapes(model: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """``{"model.<name>": shape}`` of the GPT, built on the meta device (no memory, no init)."""
-    import torch
-
-    from kernels.model.gpt import GPT
-
-    with torch.device("meta"):
-        return {f"model.{k}": tuple(v.shape) for k, v in GPT(model).state_dict().items()}
+def model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{"model.<name>": shape}`` of the model, built on the meta device (no memory, no init)."""
+    return {f"model.{k}": tuple(v.shape) for k, v in meta_model(model).state_dict().items()}
 
 
-def check_resume(path: str, model: GPTConfig, steps: int, optimizer: str = "adamw") -> int:
+def check_resume(path: str, model: ModelConfig, steps: int, optimizer: str = "adamw") -> int:
     """Check a resolved ``resume_path`` against the model, the run's total steps and its optimizer
     (a weights file carries no optimizer state, so any will do); returns the step it resumes at."""
     expected = model_shapes(model)
@@ -138,12 +134,11 @@ def export(source: Any, out_path: str | os.PathLike) -> Path:
 
     ``source``: a ``Checkpoint``, a step or checkpoint directory, or a live object whose
     ``save(dir)`` writes a checkpoint there (``lab.Training``). Keys are
-    ``kernels.model.gpt.GPT``'s parameter names; ``resume_from=<the file>`` loads it into any layout.
+    the model's parameter names; ``resume_from=<the file>`` loads it into any layout.
     """
     from safetensors.torch import save_file
 
     from kernels.checkpoint.save_load import load_checkpoint
-    from kernels.model.gpt import GPT
 
     if hasattr(source, "save") and not isinstance(source, (str, os.PathLike)):
         with tempfile.TemporaryDirectory(prefix="lab-export-") as scratch:
@@ -151,7 +146,7 @@ def export(source: Any, out_path: str | os.PathLike) -> Path:
             return export(scratch, out_path)
     path = resume_path(source)
     meta = read_meta(path)
-    model = GPT(GPTConfig(**meta["config"]["model"]))
+    model = meta_model(model_config(RunConfig.from_options(meta["config"]))).to_empty(device="cpu")
     load_checkpoint(path, model, None)
     out = Path(out_path)
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out),

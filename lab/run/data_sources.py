@@ -16,7 +16,6 @@ ids reach past the model's vocabulary), [data-length] (not one sequence long).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import tempfile
@@ -28,7 +27,7 @@ import torch
 from kernels.contract.config_rules import ConfigError, Problem
 from kernels.contract.data_spec import DataKind, DataSpec
 from kernels.contract.run_config import RunConfig
-from kernels.model.gpt import GPTConfig, build_gpt
+from kernels.model.family import ModelConfig, meta_model, model_fields
 from kernels.train.data import dataset
 from kernels.train.task_data import answer_accuracy
 
@@ -84,20 +83,19 @@ class ModularAddition:
         """What the ranks receive."""
         return DataSpec(DataKind.TASK, task="modular_addition", modulus=self.modulus)
 
-    def accuracy(self, model: GPTConfig, result: Any, *, batches: int = 4, batch_size: int = 64) -> float:
+    def accuracy(self, model: ModelConfig, result: Any, *, batches: int = 4, batch_size: int = 64) -> float:
         """The share of answers the trained weights of ``result`` (``run(return_params=True)``) get right.
 
         Measured here, on ``batches`` fresh batches of problems (steps the run never trained on).
         """
         params = whole_parameters(result)
-        gpt = build_gpt(dataclasses.replace(model, seed=0))
-        gpt.load_state_dict(params)
-        run = RunConfig(model={k: v for k, v in dataclasses.asdict(model).items() if k != "seed"}, data=self.spec())
-        task, scores = dataset(run), []
+        trained = meta_model(model).to_empty(device="cpu")
+        trained.load_state_dict(params)
+        task, scores = dataset(RunConfig(model=model_fields(model), data=self.spec())), []
         with torch.no_grad():
             for i in range(batches):
                 inputs, targets = task.global_batch(10**9 + i, batch_size)
-                scores.append(answer_accuracy(gpt(inputs), targets))
+                scores.append(answer_accuracy(trained(inputs), targets))
         return sum(scores) / len(scores)
 
 
@@ -129,13 +127,13 @@ def data_spec(data: Any) -> DataSpec:
                         f"paths, or a 1-D tensor of token ids; got {type(data).__name__}")])
 
 
-def data_problems(spec: DataSpec, model: GPTConfig) -> list[Problem]:
+def data_problems(spec: DataSpec, model: ModelConfig) -> list[Problem]:
     """[data-file], [data-vocab], [data-length]: what the ranks would find, found here with their own code."""
     for path in spec.paths + ((spec.tokenizer,) if spec.tokenizer else ()):
         if not os.path.isfile(path):
             return [("data-file", f"{path} is not a file this process can read (a pool on several hosts needs it "
                      "at the same path on each)")]
-    run = RunConfig(model={k: v for k, v in dataclasses.asdict(model).items() if k != "seed"}, data=spec)
+    run = RunConfig(model=model_fields(model), data=spec)
     try:
         dataset(run)
     except ConfigError as error:

@@ -45,7 +45,6 @@ costs what it did):
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import warnings
@@ -53,7 +52,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kernels.contract.config_rules import ConfigError, Problem, optimizer_problems
+from kernels.model.family import ModelConfig, model_fields
 from kernels.model.gpt import GPTConfig
+from kernels.model.llama import LlamaConfig
 from kernels.train.reference import train_reference
 from kernels.contract.run_config import RunConfig
 from kernels.contract.data_spec import DataSpec
@@ -79,7 +80,7 @@ class Experiment:
     ``trace``, ``synthetic_forward_s`` and ``measure`` record what the run did (module docstring).
     """
 
-    def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
+    def __init__(self, cluster: Cluster, model: ModelConfig, parallel: Parallel, *, global_batch: int = 8,
                  steps: int = 3, lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
@@ -107,12 +108,13 @@ class Experiment:
     def _problems(self, optimizer: Any) -> list[Problem]:
         """Every rule the experiment breaks: its arguments, the rank config they make, the layout against the model."""
         out = optimizer_problems(optimizer)
-        if not (isinstance(self.model, GPTConfig) and isinstance(self.parallel, Parallel)):
-            return out + [("argument-types", f"model must be a lab.GPT and parallel a lab.Parallel, got "
-                           f"{type(self.model).__name__} and {type(self.parallel).__name__}")]
+        if not (isinstance(self.model, (GPTConfig, LlamaConfig)) and isinstance(self.parallel, Parallel)):
+            return out + [("argument-types", f"model must be a lab.GPT or a lab.Llama and parallel a lab.Parallel, "
+                           f"got {type(self.model).__name__} and {type(self.parallel).__name__}")]
         if self.model.seed not in (0, self.seed):  # the model's seed would be silently replaced
-            out.append(("model-seed", f"lab.GPT(seed={self.model.seed}) is not used: the Experiment's seed="
+            out.append(("model-seed", f"the model's seed={self.model.seed} is not used: the Experiment's seed="
                         f"{self.seed!r} fixes the weights and the data; pass seed={self.model.seed} to the Experiment"))
+        out += _llama_problems(self.model, self.measure)
         try:  # the rank config's own rules (kernels.contract.config_rules), exactly as the ranks would apply them
             self.run_config()
         except ConfigError as error:
@@ -125,7 +127,7 @@ class Experiment:
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
         """The one typed config every rank (and the reference) trains under."""
-        model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
+        model = model_fields(self.model)
         ranks_per_host = _ranks_per_host(self.cluster) if self.trace else None  # ranks cannot see their host
         return RunConfig(
             model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
@@ -215,6 +217,21 @@ class Experiment:
         path = resume_path(self.resume_from)
         check_resume(path, self.model, self.steps, self.optimizer)
         return {**cfg, "resume_from": path}
+
+
+def _llama_problems(model: Any, measure: Any) -> list[Problem]:
+    """A lab.Llama trains as Llama 3 (SwiGLU, untied head, RoPE, no biases): the GPT-style switches of
+    ``kernels.model.llama.LlamaConfig`` size the planner's presets only. Its activations are not predicted."""
+    if not isinstance(model, LlamaConfig):
+        return []
+    out = []
+    if (model.gated_mlp, model.tied_embeddings, model.learned_pos, model.bias) != (True, False, False, False):
+        out.append(("model-keys", "lab.Llama trains as Llama 3: gated_mlp=True, tied_embeddings=False, "
+                    "learned_pos=False, bias=False (the other switches size the planner's GPT-style presets)"))
+    if measure is True:
+        out.append(("measure-model", "measure=True predicts activations part by part for lab.GPT only; "
+                    "train a lab.Llama without it"))
+    return out
 
 
 def _ranks_per_host(cluster: Any) -> list[int] | None:

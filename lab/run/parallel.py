@@ -47,8 +47,10 @@ RULES = {
                   "measure, compile, the model's bias) must be True or False, not 1 or 'yes'",
     "adamw": "AdamW needs a finite lr > 0, eps > 0, weight_decay >= 0 and betas two numbers in [0, 1)",
     "seed": "seeds must be ints in [0, 2**64), the range torch.Generator.manual_seed takes",
-    "model-keys": "the model's fields are GPTConfig's: layers, d_model, heads, vocab, seq_len, d_ff, bias",
-    "heads-d-model": "d_model must be divisible by heads",
+    "model-keys": "the model's fields are GPTConfig's (layers, d_model, heads, vocab, seq_len, d_ff, bias) or, for "
+                  "lab.Llama, Llama 3's (layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rope_theta, norm_eps)",
+    "measure-model": "measure=True predicts activations part by part for lab.GPT only",
+    "heads-d-model": "d_model (a Llama's hidden) must be divisible by heads, and a Llama's heads by kv_heads",
     "data-vocab": "the data's token ids must fit the model's vocab (the synthetic chain needs vocab >= 4: every "
                   "token has 4 distinct successors; bytes need the largest byte; modular addition mod p needs p + 2)",
     "data": "data= is None, lab.Text, lab.Tokens or lab.ModularAddition (a path, a list of paths or a 1-D "
@@ -76,6 +78,8 @@ RULES = {
     "tp-heads": "the number of heads must be divisible by tp",
     "tp-d-model": "d_model must be divisible by tp",
     "tp-d-ff": "d_ff must be divisible by tp",
+    "tp-kv-heads": "a Llama's kv_heads must be divisible by tp: each rank keeps whole key/value heads",
+    "tp-ffn": "a Llama's ffn (its MLP width) must be divisible by tp",
     "tp-vocab": "vocab must be divisible by tp: the token embedding and the LM head are split over the vocab",
     "tp-seq-len": "seq_len must be divisible by tp: the position table is split over positions "
                   "(and sequence parallel splits the sequence)",
@@ -203,14 +207,17 @@ class Parallel:
         return resolve_strategy(compile=compile, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def _model_problems(self, cfg: Any, world_size: int, global_batch: Any) -> list[Problem]:
-        d_ff = getattr(cfg, "d_ff", None) or 4 * cfg.d_model
         out = []
         if self.world_size != world_size:
             out.append(("world-size", f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} "
                         f"must equal the world size {world_size}"))
-        # What tensor parallelism splits (kernels.model.gpt.GPT.tp_sizes); the ranks check the same.
-        sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "d_ff": d_ff, "vocab": getattr(cfg, "vocab", None),
-                 "seq_len": getattr(cfg, "seq_len", None)}
+        # What tensor parallelism splits: a model config's own tp_sizes (lab.GPT, lab.Llama), which the
+        # ranks check too; a bare description of a GPT (layers, d_model, heads, ...) gives its sizes.
+        if hasattr(cfg, "tp_sizes"):
+            sizes = cfg.tp_sizes(self.sequence_parallel)
+        else:
+            sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "d_ff": getattr(cfg, "d_ff", None) or 4 * cfg.d_model,
+                     "vocab": getattr(cfg, "vocab", None), "seq_len": getattr(cfg, "seq_len", None)}
         out += tp_split_problems(self.tp, sizes, self.sequence_parallel)
         out += stage_split_problems(cfg.layers, self.num_stages)
         per_step = self.dp * self.num_microbatches

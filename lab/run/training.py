@@ -41,7 +41,7 @@ from typing import Any
 
 from kernels.train import live_training
 from kernels.checkpoint.files import read_meta, resolve, step_dir
-from kernels.model.gpt import GPTConfig
+from kernels.model.family import ModelConfig, model_config
 from kernels.contract.run_config import RunConfig
 from lab.pool.cluster import Cluster
 from lab.errors import LabError, RankError
@@ -65,7 +65,7 @@ class _RanksOfLayout:
 class Training:
     """Train ``model`` under ``parallel`` on ``cluster``, holding the state on the ranks between calls (module doc)."""
 
-    def __init__(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, *, global_batch: int = 8,
+    def __init__(self, cluster: Cluster, model: ModelConfig, parallel: Parallel, *, global_batch: int = 8,
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
@@ -79,7 +79,7 @@ class Training:
                                                    checkpoint_async=checkpoint_async))
         self._open(self.experiment.run_config())
 
-    def _setup(self, cluster: Cluster, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> None:
+    def _setup(self, cluster: Cluster, model: ModelConfig, parallel: Parallel, options: dict[str, Any]) -> None:
         """The driver's side: checked (nothing reaches the ranks when a rule is broken), at step 0."""
         self.cluster, self._options = cluster, options
         self.key = f"training-{uuid.uuid4().hex[:12]}"  # the ranks' registry key of this training
@@ -88,14 +88,14 @@ class Training:
         self.experiment = self._experiment(model, parallel, options)
 
     @property
-    def model(self) -> GPTConfig:
+    def model(self) -> ModelConfig:
         return self.experiment.model
 
     @property
     def parallel(self) -> Parallel:
         return self.experiment.parallel
 
-    def _experiment(self, model: GPTConfig, parallel: Parallel, options: dict[str, Any]) -> Experiment:
+    def _experiment(self, model: ModelConfig, parallel: Parallel, options: dict[str, Any]) -> Experiment:
         """The Experiment whose checks and run config this layout gets; refused before anything reaches the ranks."""
         pool_size = self.cluster.world_size
         size = parallel.world_size if isinstance(parallel, Parallel) else pool_size
@@ -167,7 +167,7 @@ class Training:
         found = resolve(path)
         saved = RunConfig.from_dict(read_meta(found)["config"])
         training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
-        training._setup(cluster, GPTConfig(**saved.model, seed=saved.seed), parallel or saved_layout(saved),
+        training._setup(cluster, model_config(saved), parallel or saved_layout(saved),
                         dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed, data=saved.data,
                              checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every,
                              checkpoint_async=checkpoint_async, **options))
