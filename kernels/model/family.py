@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from kernels.contract import config_rules, layout_rules
+from kernels.contract import config_rules
 from kernels.contract.layout_combinations import stage_split_problems
 from kernels.contract.run_config import RunConfig
 from kernels.model.gpt import GPT, GPTConfig, build_gpt, count_parameters
@@ -66,16 +66,7 @@ def keep_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     problems = stage_split_problems(model.config.layers, num_stages)  # the rule lab.Parallel applies
     if problems:
         raise config_rules.ConfigError(problems)
-    if isinstance(model.config, LlamaConfig):
-        return keep_layers(model, stage, num_stages)
-    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
-    for name in [n for n in model.blocks if n not in keep]:
-        del model.blocks[name]
-    if stage != 0:
-        model.tok_emb = model.pos_emb = None
-    if stage != num_stages - 1:
-        model.norm = model.lm_head = None
-    return model
+    return keep_layers(model, stage, num_stages)
 
 
 if __name__ == "__main__":

@@ -214,9 +214,10 @@ def init_weights(model: Llama, seed: int) -> None:
                 p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 
 
-def keep_layers(model: Llama, stage: int, num_stages: int) -> Llama:
-    """Cut ``model`` in place to one pipeline stage: its blocks, plus the embeddings on the
-    first stage and the final norm and head on the last.
+def keep_layers(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """Cut ``model`` (a Llama, or the GPT: both hold ``tok_emb``, ``pos_emb``, ``blocks``, ``norm`` and
+    ``lm_head``) in place to one pipeline stage: its blocks under their names, plus the embeddings on
+    the first stage and the final norm and head on the last. The stages may be uneven (a dry run's).
 
     A tied head on a last stage that is not also the first gets its own copy of the vocab
     matrix (as Megatron does; the two copies are all-reduced in backward).

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: cut the GPT into stages and run a torch pipeline schedule.
+"""Pipeline parallelism: cut the model (GPT or Llama) into stages and run a torch pipeline schedule.
 
 The algorithm is micro-batched pipeline parallelism. The model's blocks are split
 into ``num_stages`` contiguous stages, a batch is split into ``m`` micro-batches,
