@@ -273,10 +273,10 @@ def comm_records(record: dict[str, Any], cfg: dict[str, Any], hosts: list[str] |
     """
     pred, out = predicted_comm(record, cfg), []
     sends = _pp_sends(record, cfg) if hosts else {}
+    order = RunConfig.from_options(cfg).strategy.mesh_order  # read (and checked) once, not per collective
     for row in record["comm"]:
         predicted = _predicted(pred, row, record)
         both = host_traffic.split(row, record["rank"], hosts) if hosts else None
-        order = RunConfig.from_options(cfg).strategy.mesh_order
         planned = host_traffic.planned_inter(row, record, predicted, sends, hosts, order) if hosts else None
         f = busbw_factor(row["op"], row["group_size"]) if row["op"] != "all_to_all" else 1.0
         algbw = row["payload_bytes"] / row["seconds"] if row["seconds"] > 0 else 0.0
