@@ -84,3 +84,15 @@ def test_keep_weights_trains_on_across_layouts(cluster):
     assert [r.pid for r in cluster.rank_map.ranks] == pids
     controls.keep_weights.value = False  # unticked: the kept weights are freed on the ranks
     assert controls.training is None
+
+
+def test_a_new_layout_trains_on_the_experiments_own_data(cluster, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Controls keep the data the experiment was given. " * 20)
+    model = lab.GPT(layers=2, d_model=32, heads=4, vocab=128, seq_len=16)
+    controls = Controls(lab.Experiment(cluster, model, lab.Parallel(dp=4), global_batch=8, steps=2, data=str(corpus)))
+    controls.fields["dp"].value, controls.fields["tp"].value = 2, 2
+    result = controls.run()
+    assert result.config["data"]["kind"] == "text" and "equal to one process" in controls.losses.value
+    controls.keep_weights.value = True
+    assert controls.run().config["data"]["kind"] == "text" and "equal to one process" in controls.losses.value

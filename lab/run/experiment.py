@@ -86,7 +86,7 @@ class Experiment:
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
                  checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None,
                  data: Any = None) -> None:
-        self.cluster, self.model, self.parallel, self.data = cluster, model, parallel, data
+        self.cluster, self.model, self.parallel = cluster, model, parallel
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.compile, self.optimizer = compile, optimizer
