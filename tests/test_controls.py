@@ -86,6 +86,7 @@ def test_keep_weights_trains_on_across_layouts(cluster):
     assert controls.training is None
 
 
+@pytest.mark.slow  # 21 s; the fast tier keeps the layout and kept-weights cases above
 def test_a_new_layout_trains_on_the_experiments_own_data(cluster, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Controls keep the data the experiment was given. " * 20)
