@@ -42,7 +42,7 @@ _HOME = {
     "compare_schedules": "lab.run.compare", "plot_schedules": "lab.run.compare",
     "Slow": "lab.run.faults", "Hang": "lab.run.faults", "Crash": "lab.run.faults", "Kill": "lab.run.faults",
     "HangError": "lab.errors", "HangReport": "lab.pool.hang_report",
-    "Training": "lab.run.training",
+    "Training": "lab.run.training", "Model": "lab.run.own_models",
     "Text": "lab.run.data_sources", "Tokens": "lab.run.data_sources", "ModularAddition": "lab.run.data_sources",
     "ParameterServer": "lab.ps.parameter_server", "PSResult": "lab.ps.ps_result",
 }

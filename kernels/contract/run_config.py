@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from kernels.contract import config_rules as rules
 from kernels.contract.data_spec import DataSpec, data_spec_problems
 from kernels.contract.faults import Fault
+from kernels.contract.model_rules import is_own_model, own_layout_problems, own_model_problems
 from kernels.contract.records import Record
 from kernels.contract.strategy import Strategy, resolve_strategy
 
@@ -34,7 +35,7 @@ FLAGS = ("return_params", "record_grad_norm", "measure", "trace", "checkpoint_as
 class RunConfig(Record):
     """One run: the model, the layout, the optimizer and data, and what to record."""
 
-    model: dict[str, Any] = field(default_factory=dict)  # kernels.model.gpt.GPTConfig fields (not seed)
+    model: dict[str, Any] = field(default_factory=dict)  # kernels.model.family: a GPT's fields (not seed), or a family's
     strategy: Strategy = field(default_factory=Strategy)  # the layout, resolved (kernels.contract.strategy)
     world_size: int | None = None  # train on the first world_size ranks only (None: every rank)
     # optimizer and data
@@ -130,7 +131,11 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
     out = rules.size_problems({"global_batch": c.global_batch, "steps": c.steps, "align_rounds": c.align_rounds},
                               {"world_size": c.world_size})
     out += rules.flag_problems({name: getattr(c, name) for name in FLAGS})
-    out += rules.model_problems(c.model)
+    if is_own_model(c.model):  # a model the user brought, and the layout against it
+        out += own_model_problems(c.model) or own_layout_problems(c.model, tp=s.tp, pp=s.pp,
+                                                                  sequence_parallel=s.sequence_parallel)
+    else:
+        out += rules.model_problems(c.model)
     out += data_spec_problems(c.data)
     if c.data == DataSpec():  # the synthetic chain's own need; what other data needs is checked where it is read
         out += rules.data_problems(c.model.get("vocab") if isinstance(c.model, Mapping) else None)

@@ -45,7 +45,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     """Shard ``model`` (a whole model or a pipeline stage) over the 1D ``tp_mesh`` in place.
 
     The plan is the model's own (``tp_plan``, beside the model: ``kernels.model.gpt.GPT``,
-    ``kernels.model.llama.Llama``), as are the sizes that must divide by tp (``tp_sizes``).
+    ``kernels.model.llama.Llama``, ``kernels.model.own_model.OwnModel``), as are the sizes that must divide by tp (``tp_sizes``).
     Every tp rank must hold the same weights (built from one seed, or on the meta device).
     """
     tp = tp_mesh.size()
@@ -61,6 +61,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     outer_plan = {k: v for k, v in outer_plan.items() if getattr(model, k.split(".")[0], None) is not None}
     if outer_plan:
         parallelize_module(model, tp_mesh, outer_plan, src_data_rank=None)
+    if hasattr(model, "after_tp"):  # a model the user brought: its tied head, its fused q/k/v (kernels.model.own_model)
+        model.after_tp(tp)
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model

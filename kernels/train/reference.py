@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from kernels.train.data import dataset, microbatches
-from kernels.model.gpt import loss_fn
-from kernels.model.family import build_model, model_config
+from kernels.model.family import build_model, model_config, model_loss
 from kernels.train.optimizer import build_optimizer
 from kernels.parallel.autocast import apply_autocast
 from kernels.contract.run_config import RunConfig
@@ -43,7 +42,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     checkpoint any layout saved (or a safetensors file), at its step: the one process
     reads the whole model and optimizer state.
     """
-    model = build_model(model_config(run))
+    model, loss_fn = build_model(model_config(run)), model_loss(model_config(run))
     optimizer = build_optimizer(model.parameters(), run)
     first = resume_point(run, model, optimizer)
     data = dataset(run)

@@ -26,8 +26,7 @@ from kernels.engine import runtime
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
 from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record, step_probe
-from kernels.model.gpt import loss_fn
-from kernels.model.family import build_model, model_config
+from kernels.model.family import build_model, model_config, model_loss
 from kernels.train.optimizer import build_optimizer, optimizer_class
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
@@ -89,14 +88,15 @@ class RankBuild:
         self.optimizer = rank_optimizer(self.params_module, self.strategy, self.mesh, self.run, self.device)
         if self.run.measure:  # reroutes DDP's buckets through Python, before the first backward
             step_probe(self.model, self.optimizer, self.device)
-        self.step_fn = FlatStep(self.model, self.strategy.microbatches, self.strategy.loss_parallel, self.device)
+        self.step_fn = FlatStep(self.model, self.strategy.microbatches, self.strategy.loss_parallel, self.device,
+                                model_loss(model_config(self.run)))
 
     def _build_pipeline(self) -> None:
         run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
         transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=self.dp_mesh)
         self.pipe = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
                                             strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
-                                            self.device, loss_fn, model_transform=transform)
+                                            self.device, model_loss(model_config(run)), model_transform=transform)
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1

@@ -49,8 +49,10 @@ from kernels.train.step_hooks import StepHooks
 class FlatStep:
     """pp == 1: forward and backward over the shard's micro-batches; returns the replica's loss (float32)."""
 
-    def __init__(self, model: nn.Module, microbatches: int, loss_parallel: bool, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, microbatches: int, loss_parallel: bool, device: torch.device,
+                 loss: Callable = loss_fn) -> None:
         self.model, self.n_micro, self.loss_parallel, self.device = model, microbatches, loss_parallel, device
+        self.loss = loss  # of (logits, targets): the model's own (kernels.model.family.model_loss)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor:
         local = torch.zeros((), device=self.device)
@@ -59,7 +61,7 @@ class FlatStep:
             last = i == len(pairs) - 1
             with sync_gradients(self.model, sync=last), loss_context(self.loss_parallel), hooks.part():
                 with hooks.forward(last):
-                    loss = loss_fn(self.model(x.to(self.device)), y.to(self.device)) / self.n_micro  # shard mean
+                    loss = self.loss(self.model(x.to(self.device)), y.to(self.device)) / self.n_micro  # shard mean
                 loss.backward()
             # Under loss_parallel the loss is a replicated DTensor: every tp rank holds the value.
             local += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()

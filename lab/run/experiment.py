@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kernels.contract.config_rules import ConfigError, Problem, optimizer_problems
-from kernels.model.family import ModelConfig, model_fields
+from kernels.model.family import ModelConfig, OwnConfig, model_fields
 from kernels.model.gpt import GPTConfig
 from kernels.model.llama import LlamaConfig
 from kernels.train.reference import train_reference
@@ -63,6 +63,7 @@ from lab.run.checkpointing import check_resume, directory_problems, resume_path
 from lab.run import run_logs, run_views
 from lab.pool.cluster import Cluster
 from lab.run.data_sources import data_problems, data_spec
+from lab.run.own_models import own_config
 from lab.run.faults import fault_problems, fault_records, hang_after_problems
 from lab.pool.hang_report import HangWatch
 from lab.run.parallel import Parallel, ParallelConfigError
@@ -86,7 +87,9 @@ class Experiment:
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
                  checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None,
                  data: Any = None) -> None:
-        self.cluster, self.model, self.parallel = cluster, model, parallel
+        self.cluster, self.parallel = cluster, parallel
+        self.model, model_problems = _model_config(model)
+        problems = list(model_problems)
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
         self.compile, self.optimizer = compile, optimizer
@@ -95,10 +98,10 @@ class Experiment:
         self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
         self.faults, self.hang_after = faults, hang_after
         try:  # what data= names, as the ranks will receive it (lab.run.data_sources)
-            self.data_spec, problems = data_spec(data), []
+            self.data_spec = data_spec(data)
         except ConfigError as error:
-            self.data_spec, problems = DataSpec(), error.problems
-        problems += self._problems(optimizer)
+            self.data_spec, problems = DataSpec(), problems + error.problems
+        problems += [] if model_problems else self._problems(optimizer)
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
         self.warnings = parallel.layout_warnings()
@@ -108,9 +111,10 @@ class Experiment:
     def _problems(self, optimizer: Any) -> list[Problem]:
         """Every rule the experiment breaks: its arguments, the rank config they make, the layout against the model."""
         out = optimizer_problems(optimizer)
-        if not (isinstance(self.model, (GPTConfig, LlamaConfig)) and isinstance(self.parallel, Parallel)):
-            return out + [("argument-types", f"model must be a lab.GPT or a lab.Llama and parallel a lab.Parallel, "
-                           f"got {type(self.model).__name__} and {type(self.parallel).__name__}")]
+        if not (isinstance(self.model, (GPTConfig, LlamaConfig, OwnConfig)) and isinstance(self.parallel, Parallel)):
+            return out + [("argument-types", f"model must be a lab.GPT, a lab.Llama, a Hugging Face config or a "
+                           f"lab.Model, and parallel a lab.Parallel, got {type(self.model).__name__} and "
+                           f"{type(self.parallel).__name__}")]
         if self.model.seed not in (0, self.seed):  # the model's seed would be silently replaced
             out.append(("model-seed", f"the model's seed={self.model.seed} is not used: the Experiment's seed="
                         f"{self.seed!r} fixes the weights and the data; pass seed={self.model.seed} to the Experiment"))
@@ -219,9 +223,24 @@ class Experiment:
         return {**cfg, "resume_from": path}
 
 
+def _model_config(model: Any) -> tuple[Any, list[Problem]]:
+    """The model as the run names it: a lab.GPT or lab.Llama as given, a Hugging Face config or a
+    ``lab.Model`` read once on the meta device (``lab.run.own_models``), with what stops that."""
+    if isinstance(model, (GPTConfig, LlamaConfig)):
+        return model, []
+    try:
+        return own_config(model), []
+    except ConfigError as error:
+        return model, error.problems
+
+
 def _llama_problems(model: Any, measure: Any) -> list[Problem]:
     """A lab.Llama trains as Llama 3 (SwiGLU, untied head, RoPE, no biases): the GPT-style switches of
-    ``kernels.model.llama.LlamaConfig`` size the planner's presets only. Its activations are not predicted."""
+    ``kernels.model.llama.LlamaConfig`` size the planner's presets only. Its activations are not predicted,
+    nor are those of a model the user brought."""
+    if isinstance(model, OwnConfig) and measure is True:
+        return [("measure-model", "measure=True predicts activations part by part for lab.GPT only; "
+                 "train this model without it")]
     if not isinstance(model, LlamaConfig):
         return []
     out = []

@@ -219,7 +219,8 @@ class Parallel:
             sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "d_ff": getattr(cfg, "d_ff", None) or 4 * cfg.d_model,
                      "vocab": getattr(cfg, "vocab", None), "seq_len": getattr(cfg, "seq_len", None)}
         out += tp_split_problems(self.tp, sizes, self.sequence_parallel)
-        out += stage_split_problems(cfg.layers, self.num_stages)
+        if cfg.layers is not None:  # a model the user brought may have no block list ([pp-blocks] when pp > 1)
+            out += stage_split_problems(cfg.layers, self.num_stages)
         per_step = self.dp * self.num_microbatches
         # A global_batch that is no positive int is [positive-sizes], the Experiment's own rule.
         if config_rules.is_int(global_batch) and global_batch % per_step:

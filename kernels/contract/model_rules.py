@@ -1,0 +1,91 @@
+"""The rules a model the user brings must meet for a layout: a Hugging Face config or a ``lab.Model`` (torch-free).
+
+``RunConfig.model`` names such a model by its ``family``: ``"hf"`` (a transformers causal LM built from
+its config on every rank) or ``"module"`` (any ``nn.Module`` a pickled factory builds). Beside what
+builds it, the driver puts in the dict what the layout needs to know, read once from the model on the
+meta device: ``layers`` (the blocks a pipeline cuts), ``tp_sizes`` (what tensor parallelism splits),
+``tp_plan`` (module pattern -> style, or None), ``pp_plan`` (which top-level modules go before and after
+the blocks, or None), ``tied`` (the head reuses the token embedding), and the ``vocab`` and training
+window ``seq_len`` the data needs. The ranks check the same
+dict again, so a run started from a saved config meets the same rules.
+
+Run alone (prints the problems of a plan-less module under TP2×PP2)::
+
+    python -m kernels.contract.model_rules
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kernels.contract.config_rules import Problem
+
+HF = "hf"
+MODULE = "module"
+OWN_FAMILIES = (HF, MODULE)
+
+# The tensor-parallel styles the lab applies (kernels.model.own_tp), as transformers' plans spell them.
+# "fused_qkv_colwise" is the lab's own, for GPT-2's one c_attn (q, k and v side by side, sharded by heads).
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "fused_qkv_colwise",
+             "conv1d_rowwise", "conv1d_colwise")
+_SHARED_KEYS = ("family", "layers", "tp_sizes", "tp_plan", "pp_plan", "tied", "vocab", "seq_len")
+OWN_KEYS = {HF: (*_SHARED_KEYS, "config"), MODULE: (*_SHARED_KEYS, "factory", "name")}
+
+
+def is_own_model(model: Any) -> bool:
+    """Whether a run's model dict names a model the user brought (an HF config or a ``lab.Model``)."""
+    return isinstance(model, Mapping) and model.get("family") in OWN_FAMILIES
+
+
+def own_model_problems(model: Mapping[str, Any]) -> list[Problem]:
+    """[model-keys]: the dict has its family's keys, a positive block count and, where given, plans of strings."""
+    family = model.get("family")
+    bad = sorted(set(model) - set(OWN_KEYS[family]), key=str)
+    missing = [k for k in OWN_KEYS[family] if k not in model and k != "name"]
+    if bad or missing:
+        return [("model-keys", f"a {family} model dict has the keys {list(OWN_KEYS[family])}; "
+                 f"unknown {bad}, missing {missing}")]
+    layers = model["layers"]
+    if layers is not None and not (isinstance(layers, int) and layers >= 1):
+        return [("model-keys", f"layers={layers!r} must be an int >= 1 or None (no block list)")]
+    return []
+
+
+def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_parallel: bool) -> list[Problem]:
+    """The rules a layout meets on a model the user brought, each named.
+
+    - [tp-plan]: tp > 1 needs a tensor-parallel plan (an HF config's own, the lab's for GPT-2, or ``tp_plan=``);
+    - [tp-style]: every style in the plan is one the lab applies (``TP_STYLES``), named when it is not;
+    - [tp-sp-model]: sequence parallel is built for the lab's own GPT and Llama only;
+    - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan);
+    - [pp-tied]: pp > 1 with a head tied to the embedding (two stages would each hold a copy).
+    """
+    out: list[Problem] = []
+    name = model.get("name") or "this model"
+    if tp > 1:
+        plan = model.get("tp_plan")
+        if not plan:
+            out.append(("tp-plan", f"tp={tp} needs a tensor-parallel plan, and {name} has none: pass "
+                        "tp_plan={'blocks.*.fc_in': 'colwise', ...} (lab.Model) or use tp=1"))
+        else:
+            unknown = sorted({f"{style!r} ({pattern})" for pattern, style in plan.items() if style not in TP_STYLES})
+            if unknown:
+                out.append(("tp-style", f"the plan of {name} uses styles the lab does not apply: "
+                            f"{', '.join(unknown)}; applied: {list(TP_STYLES)}"))
+        if sequence_parallel:
+            out.append(("tp-sp-model", f"sequence_parallel is built for lab.GPT and lab.Llama, not {name}: "
+                        "use sequence_parallel=False"))
+    if pp > 1 and not model.get("pp_plan"):
+        out.append(("pp-blocks", f"pp={pp} needs the model's block list, and {name} names none: pass "
+                    "blocks='layers' (the nn.ModuleList; the modules before it run on the first stage, "
+                    "those after on the last)"))
+    elif pp > 1 and model.get("tied"):
+        out.append(("pp-tied", f"{name} ties its LM head to the token embedding, and pp={pp} would put the two on "
+                    "different stages, whose copies the lab does not yet keep equal: untie them "
+                    "(tie_word_embeddings=False) or use pp=1"))
+    return out
+
+
+if __name__ == "__main__":
+    print(own_layout_problems({"family": MODULE, "name": "MLP", "tp_plan": None, "pp_plan": None},
+                              tp=2, pp=2, sequence_parallel=False))

@@ -1,0 +1,205 @@
+"""A model the user brings: a Hugging Face config, or ``lab.Model`` around any ``nn.Module`` factory.
+
+``own_config(model)`` reads the model once on the meta device (nothing allocated) and writes what
+every rank needs into one plain dict (``kernels.contract.model_rules``): how to build it (the HF
+config's ``to_dict``, or the factory pickled by value), its block list and the modules before and
+after it (the pipeline cut), its tensor-parallel plan and the widths that plan splits. The plans are:
+
+- an HF model's own (``_tp_plan``, from its config's ``base_model_tp_plan``), and its block list from
+  ``base_model_pp_plan``; for GPT-2, which ships neither, the lab's (``GPT2_TP_PLAN``: the fused
+  q/k/v sharded by heads, the MLP Megatron-style; blocks ``transformer.h``);
+- a ``lab.Model``'s ``tp_plan=`` and ``blocks=``, checked against its modules here.
+
+Run alone (prints what a tiny HF Llama config becomes)::
+
+    python -m lab.run.own_models
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from kernels.contract.config_rules import ConfigError, Problem
+from kernels.contract.model_rules import HF, MODULE
+from kernels.model.family import OwnConfig
+from kernels.model.own_model import encode_factory
+
+GPT2_TP_PLAN = {"transformer.h.*.attn.c_attn": "fused_qkv_colwise", "transformer.h.*.attn.c_proj": "conv1d_rowwise",
+                "transformer.h.*.mlp.c_fc": "conv1d_colwise", "transformer.h.*.mlp.c_proj": "conv1d_rowwise"}
+GPT2_BLOCKS = "transformer.h"
+DEFAULT_SEQ_LEN = 32
+_SHARDED_DIM = {"colwise": 0, "rowwise": 1, "colwise_gather_output": 0, "embedding_rowwise": 0,
+                "conv1d_colwise": 1, "conv1d_rowwise": 0, "fused_qkv_colwise": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Any model to train: ``factory()`` builds an ``nn.Module`` (called on every rank, under the run's seed)
+    whose forward maps token ids (B, T) to logits (B, T, V); or ``factory`` is a Hugging Face config.
+
+    ``tp_plan`` maps module patterns (``"blocks.*.fc_in"``, ``*`` for a block's index) to styles
+    (``"colwise"``, ``"rowwise"``, ...: ``kernels.contract.model_rules.TP_STYLES``); tp > 1 needs one.
+    ``blocks`` names the ``nn.ModuleList`` a pipeline cuts: the modules registered before it run on the
+    first stage, those after on the last; pp > 1 needs it. ``loss(logits, targets)`` replaces the
+    cross-entropy over all tokens. ``seq_len`` is the training window; ``vocab`` defaults to the first
+    embedding's size. The factory and the loss travel pickled by value (cloudpickle): a lambda or a
+    notebook function works, an open file or a lock does not.
+    """
+
+    factory: Any
+    tp_plan: dict[str, str] | None = None
+    blocks: str | None = None
+    loss: Callable | None = None
+    seq_len: int = DEFAULT_SEQ_LEN
+    vocab: int | None = None
+    name: str | None = None
+
+
+def is_hf_config(obj: Any) -> bool:
+    """Whether ``obj`` is a transformers config (checked without importing transformers)."""
+    return any(c.__name__ in ("PreTrainedConfig", "PretrainedConfig") and c.__module__.startswith("transformers") for c in type(obj).__mro__)
+
+
+def own_config(model: Any) -> OwnConfig:
+    """The run's view of a user's model (module docstring); ``ConfigError`` names what stops it."""
+    spec = model if isinstance(model, Model) else Model(model)
+    hf = is_hf_config(spec.factory)
+    if not hf and not callable(spec.factory):
+        raise ConfigError([("argument-types", "model must be a lab.GPT, a lab.Llama, a Hugging Face config or a "
+                            f"lab.Model(factory), got {type(spec.factory).__name__}")])
+    meta = _meta_build(spec, hf)
+    tp_plan = _tp_plan(spec, meta, hf)
+    blocks = spec.blocks or (_hf_blocks(meta) if hf else None)
+    problems = _plan_problems(meta, tp_plan, blocks)
+    if problems:
+        raise ConfigError(problems)
+    fields = {"family": HF if hf else MODULE, "layers": len(meta.get_submodule(blocks)) if blocks else None,
+              "tp_plan": tp_plan, "pp_plan": _pp_plan(meta, blocks) if blocks else None,
+              "tp_sizes": _tp_sizes(meta, tp_plan, hf), "tied": _tied(meta),
+              "vocab": spec.vocab or _vocab(meta), "seq_len": _seq_len(spec, meta, hf)}
+    if hf:
+        fields["config"] = spec.factory.to_dict()
+    else:
+        fields["factory"] = _pickled(spec)
+        fields["name"] = spec.name or getattr(spec.factory, "__name__", type(meta).__name__)
+    return OwnConfig(fields)
+
+
+def _meta_build(spec: Model, hf: bool) -> nn.Module:
+    try:
+        with torch.device("meta"):
+            if hf:
+                from transformers import AutoModelForCausalLM
+                return AutoModelForCausalLM.from_config(spec.factory)
+            return spec.factory()
+    except ImportError as error:
+        raise ConfigError([("model-build", f"a Hugging Face model needs transformers: pip install "
+                            f"'cluster-lab[hf]' ({error})")]) from error
+    except Exception as error:  # whatever the user's factory or config raises: named, before any rank sees it
+        raise ConfigError([("model-build", f"building the model failed: {type(error).__name__}: {error}")]) from error
+
+
+def _pickled(spec: Model) -> str:
+    try:
+        return encode_factory(spec.factory, spec.loss)
+    except Exception as error:  # cloudpickle raises what the unpicklable object raises
+        raise ConfigError([("model-pickle", f"the factory (or the loss) cannot be pickled, so no rank can build "
+                            f"the model: {type(error).__name__}: {error}")]) from error
+
+
+def _tp_plan(spec: Model, meta: nn.Module, hf: bool) -> dict[str, str] | None:
+    if spec.tp_plan is not None:
+        return dict(spec.tp_plan)
+    if hf and getattr(meta.config, "model_type", None) == "gpt2":
+        return dict(GPT2_TP_PLAN)
+    return dict(getattr(meta, "_tp_plan", None) or {}) or None if hf else None
+
+
+def _hf_blocks(meta: nn.Module) -> str | None:
+    if getattr(meta.config, "model_type", None) == "gpt2":
+        return GPT2_BLOCKS
+    prefix = meta.base_model_prefix
+    for key in getattr(meta.config, "base_model_pp_plan", None) or {}:
+        if isinstance(meta.get_submodule(f"{prefix}.{key}"), (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return f"{prefix}.{key}"
+    return None
+
+
+def _matching(meta: nn.Module, pattern: str) -> list[nn.Module]:
+    want = pattern.split(".")
+    return [m for name, m in meta.named_modules()
+            if len(name.split(".")) == len(want) and all(w in ("*", p) for p, w in zip(name.split("."), want))]
+
+
+def _plan_problems(meta: nn.Module, tp_plan: dict[str, str] | None, blocks: str | None) -> list[Problem]:
+    out: list[Problem] = []
+    if blocks is not None:
+        try:
+            container = meta.get_submodule(blocks)
+        except AttributeError:
+            container = None
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or not len(container):
+            out.append(("pp-blocks", f"blocks={blocks!r} must name a non-empty nn.ModuleList of the model"))
+    for pattern in tp_plan or {}:
+        if not _matching(meta, pattern):
+            out.append(("tp-plan", f"the tp_plan entry {pattern!r} matches no module of the model"))
+    return out
+
+
+def _pp_plan(meta: nn.Module, blocks: str) -> dict[str, Any]:
+    """Which modules with parameters go before the blocks (first stage) and after them (last stage), in
+    registration order at each level on the way down to the blocks. Modules without parameters (rotary
+    tables, dropout) stay on every stage."""
+    first, last, module, prefix = [], [], meta, ""
+    for part in blocks.split("."):
+        names = list(module._modules)
+        for name in names:
+            child = module._modules[name]
+            if name == part or child is None or not any(True for _ in child.parameters()):
+                continue
+            (first if names.index(name) < names.index(part) else last).append(prefix + name)
+        module, prefix = module._modules[part], f"{prefix}{part}."
+    return {"first": first, "blocks": blocks, "last": last}
+
+
+def _tp_sizes(meta: nn.Module, tp_plan: dict[str, str] | None, hf: bool) -> dict[str, int]:
+    """What tp must divide: an HF model's head counts (and FFN width), and every planned module's split width."""
+    sizes: dict[str, int] = {}
+    if hf:
+        config = meta.config
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        sizes.update({k: v for k, v in (("heads", heads), ("kv_heads", kv)) if isinstance(v, int)})
+    for pattern, style in (tp_plan or {}).items():
+        for module in _matching(meta, pattern)[:1]:
+            weight = getattr(module, "weight", None)
+            if weight is not None and style in _SHARDED_DIM and weight.dim() > _SHARDED_DIM[style]:
+                sizes[pattern] = weight.shape[_SHARDED_DIM[style]] // (3 if style == "fused_qkv_colwise" else 1)
+    return sizes
+
+
+def _tied(meta: nn.Module) -> bool:
+    try:
+        head, embedding = meta.get_output_embeddings(), meta.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    return head is not None and embedding is not None and head.weight is embedding.weight
+
+
+def _vocab(meta: nn.Module) -> int | None:
+    return next((m.num_embeddings for m in meta.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _seq_len(spec: Model, meta: nn.Module, hf: bool) -> int:
+    longest = getattr(meta.config, "max_position_embeddings", None) if hf else None
+    return min(spec.seq_len, longest) if isinstance(longest, int) and longest > 0 else spec.seq_len
+
+
+if __name__ == "__main__":
+    from transformers import LlamaConfig
+    cfg = own_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2))
+    print({k: v for k, v in cfg.spec.items() if k != "config"})
