@@ -83,3 +83,36 @@ def test_gpt2_with_the_labs_plan_matches_one_process(cluster, layout):
 @pytest.mark.slow
 def test_3d_on_eight_ranks_matches_one_process(cluster8):
     _parity(cluster8, hf_llama(), dict(pp=2, dp=2, tp=2, microbatches=2))
+
+
+@pytest.mark.parametrize("make, resume_layout", [
+    (hf_llama, dict(pp=2, dp=2, microbatches=2)),
+    pytest.param(gpt2, dict(dp=4, zero=3), marks=pytest.mark.slow),  # tied: save_pretrained stores the head once
+], ids=["llama-to-pp2", "gpt2-to-zero3"])
+def test_an_hf_export_loads_in_transformers_with_the_trained_logits_and_resumes_under_another_layout(
+        cluster, tmp_path, make, resume_layout):
+    """lab-trained HF model -> ``lab.export(format="hf")`` -> ``from_pretrained``: the same logits to 1e-5; the
+    directory read back with ``resume_from`` into another layout goes on as one process does from it."""
+    config = make()
+    exp = lab.Experiment(cluster, config, lab.Parallel(dp=2, tp=2), global_batch=GLOBAL_BATCH, steps=2, lr=3e-3,
+                         checkpoint_dir=str(tmp_path / "run"))
+    trained = exp.run(progress=False, return_params=True).params[0]
+    out = lab.export(lab.checkpoints(tmp_path / "run")[-1], tmp_path / "hf", format="hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    model = build_model(model_config(RunConfig.from_dict(exp.config())))
+    model.load_state_dict({k: torch.tensor(v) for k, v in trained.items()}, strict=not model.spec["tied"])
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x), rtol=0, atol=1e-5)
+    resumed = lab.Experiment(cluster, config, lab.Parallel(**resume_layout), global_batch=GLOBAL_BATCH,
+                             steps=3, lr=3e-3, resume_from=out)
+    result, reference = resumed.run(progress=False), resumed.reference()
+    assert result.losses == pytest.approx(reference.losses, rel=1e-4), result.loss_table(reference)
+    fresh = lab.Experiment(cluster, config, lab.Parallel(dp=4), global_batch=GLOBAL_BATCH, steps=1).reference()
+    assert result.losses[0] < fresh.losses[0]  # it starts from the trained weights, not from the seed's
+
+
+def test_format_hf_refuses_a_model_not_built_from_a_config(tmp_path):
+    from lab.run.hf_export import write_hf_directory
+    with pytest.raises(ValueError, match="format='hf'"):
+        write_hf_directory({"layers": 2}, {}, tmp_path / "out")

@@ -48,6 +48,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from kernels.checkpoint.files import META_NAME, PARTIAL_SUFFIX, CheckpointMissingError, check_against, tensor_shapes
 from kernels.parallel.ddp import unwrap
@@ -85,8 +87,18 @@ def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     else:
         model_sd, optim_sd = get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
     back = {_strip(k, stages): k for k in [*model_sd, *optim_sd]}
-    return ({_strip(k, stages): v for k, v in model_sd.items()},
-            {_strip(k, stages): v for k, v in optim_sd.items()}, back)
+    return ({_strip(k, stages): _unstrided(v) for k, v in model_sd.items()},
+            {_strip(k, stages): _unstrided(v) for k, v in optim_sd.items()}, back)
+
+
+def _unstrided(value: Any) -> Any:
+    """A DTensor sharded with a stride (GPT-2's fused q/k/v, sharded by heads) as a replicated one on its mesh
+    dims: DCP describes a shard as one contiguous chunk, which a strided shard is not. Loading copies
+    the replicated tensor back into the strided parameter (DTensor's ``copy_`` redistributes)."""
+    if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+        return value.redistribute(placements=[Replicate() if isinstance(p, _StridedShard) else p
+                                              for p in value.placements])
+    return value
 
 
 def _settings_of(optim_sd: dict[str, Any]) -> dict[str, Any]:
@@ -226,11 +238,27 @@ def load_weights(path: str, model: nn.Module) -> None:
     inner = unwrap(model)
     own, _, back = logical_state(inner, None)
     full = load_file(path)
+    for name, alias in tied_aliases(inner).items():  # a tied head stored once (save_pretrained)
+        if name not in full and alias in full:
+            full[name] = full[alias]
     expected = {f"model.{k}": tuple(v.shape) for k, v in own.items()}
     _check_weights(path, full, expected)
     options = StateDictOptions(full_state_dict=True, strict=not _is_stages(inner))
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
     set_model_state_dict(inner, {back[k]: full[k] for k in own}, options=options)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{name: name it shares its tensor with}`` for every parameter registered twice (a head tied to the
+    embedding): the second name, which a weights file may leave out, to the first."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            out[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return out
 
 
 def _check_weights(path: str, full: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:

@@ -4,7 +4,7 @@ The ranks write and read checkpoints (``kernels.checkpoint.save_load``, ``kernel
 the driver only reads directories (``kernels.checkpoint.files``): ``checkpoints(PATH)``
 lists the complete ones as ``Checkpoint`` records, ``resume_path`` turns whatever
 ``resume_from`` was given (a record, a step directory, a checkpoint directory, a
-``.safetensors`` file) into the one path the ranks load, after checking that it exists,
+``.safetensors`` file, a Hugging Face ``save_pretrained`` directory) into the one path the ranks load, after checking that it exists,
 is complete and holds tensors of the model's shapes, so a bad resume fails here, named,
 before anything launches. ``export`` consolidates a checkpoint's weights in this process
 (DCP reads every rank's shards) into one safetensors file keyed by the model's (GPT or Llama)
@@ -24,6 +24,7 @@ from kernels.checkpoint.files import (WEIGHTS_SUFFIX, CheckpointMismatchError, C
 from kernels.contract.config_rules import Problem
 from kernels.contract.run_config import RunConfig
 from kernels.model.family import ModelConfig, meta_model, model_config
+from lab.run.hf_export import hf_weights_file, is_hf_directory, write_hf_directory
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def resume_path(resume_from: Any) -> str:
     if isinstance(resume_from, Checkpoint):
         resume_from = resume_from.path
     path = Path(os.fspath(resume_from)).resolve()
+    if is_hf_directory(path):  # save_pretrained's directory: its weights file, keyed by the model's names
+        return hf_weights_file(path)
     if path.name.endswith(WEIGHTS_SUFFIX):
         if not path.is_file():
             raise CheckpointMissingError(f"no weights file at {path}")
@@ -84,6 +87,9 @@ def check_resume(path: str, model: ModelConfig, steps: int, optimizer: str = "ad
     (a weights file carries no optimizer state, so any will do); returns the step it resumes at."""
     expected = model_shapes(model)
     if path.endswith(WEIGHTS_SUFFIX):
+        from kernels.checkpoint.save_load import tied_aliases
+        for name in tied_aliases(meta_model(model)):  # a tied head may be stored once (save_pretrained)
+            expected.pop(f"model.{name}", None)
         from safetensors import safe_open
 
         with safe_open(path, "pt") as f:
@@ -129,13 +135,18 @@ def directory_problems(checkpoint_dir: Any) -> list[Problem]:
     return []
 
 
-def export(source: Any, out_path: str | os.PathLike) -> Path:
+def export(source: Any, out_path: str | os.PathLike, format: str = "safetensors") -> Path:
     """Write the consolidated full weights of a checkpoint (or of anything with ``.save(dir)``) to a safetensors file.
 
     ``source``: a ``Checkpoint``, a step or checkpoint directory, or a live object whose
     ``save(dir)`` writes a checkpoint there (``lab.Training``). Keys are
     the model's parameter names; ``resume_from=<the file>`` loads it into any layout.
+    ``format="hf"`` (a model built from a Hugging Face config) writes a ``save_pretrained`` directory
+    instead, which ``transformers.AutoModelForCausalLM.from_pretrained(out_path)`` loads and
+    ``resume_from=out_path`` reads back into any layout (``lab.run.hf_export``).
     """
+    if format not in ("safetensors", "hf"):
+        raise ValueError(f"format must be 'safetensors' or 'hf', got {format!r}")
     from safetensors.torch import save_file
 
     from kernels.checkpoint.save_load import load_checkpoint
@@ -143,11 +154,13 @@ def export(source: Any, out_path: str | os.PathLike) -> Path:
     if hasattr(source, "save") and not isinstance(source, (str, os.PathLike)):
         with tempfile.TemporaryDirectory(prefix="lab-export-") as scratch:
             source.save(scratch)
-            return export(scratch, out_path)
+            return export(scratch, out_path, format)
     path = resume_path(source)
     meta = read_meta(path)
     model = meta_model(model_config(RunConfig.from_options(meta["config"]))).to_empty(device="cpu")
     load_checkpoint(path, model, None)
+    if format == "hf":
+        return write_hf_directory(meta["config"]["model"], model.state_dict(), out_path)
     out = Path(out_path)
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out),
               metadata={"step": str(meta["step"]), "source": path})
