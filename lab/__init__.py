@@ -44,6 +44,7 @@ _HOME = {
     "HangError": "lab.errors", "HangReport": "lab.pool.hang_report",
     "Training": "lab.run.training", "Model": "lab.run.own_models",
     "Text": "lab.run.data_sources", "Tokens": "lab.run.data_sources", "ModularAddition": "lab.run.data_sources",
+    "Batches": "lab.run.data_sources",
     "ParameterServer": "lab.ps.parameter_server", "PSResult": "lab.ps.ps_result",
 }
 # lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32) or

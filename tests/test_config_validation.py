@@ -105,7 +105,47 @@ LLAMA = dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, seq_len
 
 
 # id -> (what builds it on a pool, the rule that refuses it): configs that are no lab.GPT / lab.Parallel triple.
+def _own(pool, model, parallel, **options):
+    return lab.Experiment(pool, model, parallel, **options)
+
+
+def _mlp(**options):
+    from tests.test_own_module import TokenMLP
+    return lab.Model(TokenMLP, seq_len=16, **options)
+
+
+def _mlp_of_vocab(vocab, **options):
+    from tests.test_own_module import TokenMLP
+    return lab.Model(lambda: TokenMLP(vocab=vocab), seq_len=16, **options)
+
+
+def _unpicklable_factory():
+    import threading
+    lock = threading.Lock()
+    return lambda: lock and _mlp().factory()
+
+
+def _hf_llama(**changes):
+    import transformers
+    return transformers.LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2), **changes})
+
+
 DIRECT_REFUSALS = {
+    "module-tp-without-plan": (lambda pool: _own(pool, _mlp(), lab.Parallel(dp=2, tp=2)), "tp-plan"),
+    "module-unknown-style": (lambda pool: _own(pool, _mlp(tp_plan={"layers.*.fc_in": "packed_colwise"}),
+                                               lab.Parallel(dp=2, tp=2)), "tp-style"),
+    "module-width-tp": (lambda pool: _own(pool, _mlp_of_vocab(66, tp_plan={"head": "colwise"}), lab.Parallel(tp=4)),
+                        "tp-width"),
+    "hf-sequence-parallel": (lambda pool: _own(pool, _hf_llama(num_key_value_heads=4), lab.Parallel(tp=4, sequence_parallel=True)),
+                             "tp-sp-model"),
+    "module-pp-without-blocks": (lambda pool: _own(pool, _mlp(), lab.Parallel(pp=2, dp=2)), "pp-blocks"),
+    "module-does-not-build": (lambda pool: _own(pool, lab.Model(lambda: 1 / 0), lab.Parallel(dp=4)), "model-build"),
+    "module-not-picklable": (lambda pool: _own(pool, lab.Model(_unpicklable_factory()), lab.Parallel(dp=4)),
+                             "model-pickle"),
+    "batches-of-another-size": (lambda pool: _own(pool, lab.GPT(**TINY), lab.Parallel(dp=4), global_batch=8, steps=1,
+                                                  data=lab.Batches([torch.zeros(4, TINY["seq_len"] + 1, dtype=torch.long)])),
+                                "data-batch"),
     "experiment-model-a-dict": (lambda pool: lab.Experiment(pool, TINY, lab.Parallel(dp=4)), "argument-types"),
     "llama-kv-heads-tp": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA), lab.Parallel(tp=4)), "tp-kv-heads"),
     "llama-ffn-tp": (lambda pool: lab.Experiment(pool, lab.Llama(**{**LLAMA, "kv_heads": 4, "ffn": 66}),

@@ -122,3 +122,45 @@ def test_tokens_in_memory_are_written_once_by_content():
     first, second = lab.Tokens(ids).spec(), lab.Tokens(ids.clone()).spec()
     assert first == second and os.path.isfile(first.paths[0])
     assert lab.Tokens(ids + 1).spec().paths != first.paths
+
+
+def _rows(steps: int, batch: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100, (batch, MODEL["seq_len"] + 1), generator=g) for _ in range(steps)]
+
+
+def test_your_own_batches_are_trained_in_order_and_sharded_as_one_process_sees_them(cluster):
+    """An iterable of (B, T+1) rows: step s trains on batch s, under PP2×DP2 as in one process; and the reference's
+    first loss is the seeded model's loss on the first batch, not on any other."""
+    rows = _rows(3)
+    exp = lab.Experiment(cluster, lab.GPT(**MODEL), lab.Parallel(pp=2, dp=2, microbatches=2), global_batch=8,
+                         steps=3, data=iter(rows))
+    result, reference = exp.run(progress=False), exp.reference()
+    assert result.config["data"]["kind"] == "batches"
+    assert result.losses == pytest.approx(reference.losses, rel=1e-4)
+    from kernels.model.family import build_model, model_config
+    from kernels.contract.run_config import RunConfig
+    from kernels.model.gpt import loss_fn
+    model = build_model(model_config(RunConfig.from_dict(exp.config())))
+    with torch.no_grad():
+        on_first, on_second = (float(loss_fn(model(r[:, :-1]), r[:, 1:])) for r in rows[:2])
+    assert reference.losses[0] == pytest.approx(on_first, rel=1e-6) and on_first != pytest.approx(on_second)
+
+
+def test_batches_fewer_than_the_steps_are_refused_by_name(cluster):
+    with pytest.raises(lab.ParallelConfigError, match=r"data-length.*holds 2 batches"):
+        lab.Experiment(cluster, lab.GPT(**MODEL), lab.Parallel(dp=4), global_batch=8, steps=3, data=_rows(2))
+
+
+def test_a_local_dataset_is_read_by_its_text_or_its_input_ids():
+    datasets = pytest.importorskip("datasets")
+    from lab.run.data_sources import data_spec
+    text = datasets.Dataset.from_dict({"text": ["It was the best of times,", "it was the worst of times."]})
+    spec = data_spec(text)
+    assert spec.kind is DataKind.TEXT
+    assert stream(spec).tolist() == list("It was the best of times,\nit was the worst of times.".encode())
+    ids = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]})
+    spec = data_spec(ids)
+    assert spec.kind is DataKind.TOKENS and stream(spec).tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(lab.ConfigError, match="'input_ids' or 'text' column"):
+        data_spec(datasets.Dataset.from_dict({"label": [0, 1]}))

@@ -73,11 +73,13 @@ def test_hf_llama_on_every_layout_family_matches_one_process(cluster, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     dict(dp=4), dict(dp=4, zero=3), dict(dp=2, tp=2), dict(tp=4), dict(pp=2, dp=2, microbatches=2),
-    dict(pp=2, tp=2, microbatches=2),
-], ids=["ddp4", "zero3", "tp2-dp2", "tp4", "pp2-dp2", "pp2-tp2"])
+    dict(pp=2, tp=2, microbatches=2), dict(pp=2, dp=2, zero=3, microbatches=2),
+    dict(pp=2, dp=2, schedule="zbv", microbatches=4),
+], ids=["ddp4", "zero3", "tp2-dp2", "tp4", "pp2-dp2", "pp2-tp2", "pp2-fsdp2", "pp2-dp2-zbv"])
 def test_gpt2_with_the_labs_plan_matches_one_process(cluster, layout):
-    tied = layout.get("pp", 1) == 1  # GPT-2 ties its head; a pipeline needs it untied ([pp-tied])
-    _parity(cluster, gpt2(tie_word_embeddings=tied), layout)
+    """GPT-2 ties its head to the token embedding: a pipeline's first and last stage each hold a copy, kept
+    equal by summing their gradients (kernels.parallel.tied_stages)."""
+    _parity(cluster, gpt2(), layout)
 
 
 @pytest.mark.slow
@@ -116,3 +118,17 @@ def test_format_hf_refuses_a_model_not_built_from_a_config(tmp_path):
     from lab.run.hf_export import write_hf_directory
     with pytest.raises(ValueError, match="format='hf'"):
         write_hf_directory({"layers": 2}, {}, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_a_live_hf_training_relayouts_and_goes_on_as_one_run(cluster):
+    """lab.Training holds an HF Llama on the ranks: TP2×DP2 for two steps, resharded in place to PP2×DP2 for two
+    more, equal to four uninterrupted DP4 steps."""
+    config = hf_llama()
+    whole = lab.Experiment(cluster, config, lab.Parallel(dp=4), global_batch=GLOBAL_BATCH, steps=4, lr=3e-3).run(
+        progress=False)
+    with lab.Training(cluster, config, lab.Parallel(dp=2, tp=2), global_batch=GLOBAL_BATCH, lr=3e-3) as training:
+        training.step(2)
+        training.relayout(lab.Parallel(pp=2, dp=2, microbatches=2))
+        training.step(2)
+        assert training.losses == pytest.approx(whole.losses, rel=1e-4)

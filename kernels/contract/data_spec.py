@@ -1,6 +1,6 @@
 """``DataSpec``: which tokens a run trains on, as the ranks receive it (``RunConfig.data``).
 
-Four kinds, each a pure function of (seed, step) on every rank and in the one-process
+Five kinds, each a pure function of (seed, step) on every rank and in the one-process
 reference, so a step's global batch is the same wherever it is built and a resumed run
 goes on with the batch after its checkpoint's step:
 
@@ -8,7 +8,9 @@ goes on with the batch after its checkpoint's step:
 - ``tokens``: a 1-D array of token ids in a ``.npy`` or ``.pt`` file;
 - ``text``: text files, tokenised by bytes (ids 0-255) or by a ``tokenizers`` JSON file;
 - ``task``: a generated task with a right answer (``modular_addition``: "a b = c" with
-  c = (a + b) mod p), whose loss counts only the answers, so its accuracy can be measured.
+  c = (a + b) mod p), whose loss counts only the answers, so its accuracy can be measured;
+- ``batches``: the user's own batches in order, one per step (inputs and targets), in a ``.npy``
+  file of shape (steps, 2, B, T).
 
 Files are read by each rank where it runs: on several hosts, each host must see the path.
 The driver (``lab.run.data_sources``) checks what needs the files and the model (the file
@@ -35,6 +37,7 @@ class DataKind(enum.StrEnum):
     TOKENS = "tokens"
     TEXT = "text"
     TASK = "task"
+    BATCHES = "batches"
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class DataSpec(Record):
     """A run's data: its kind and what that kind needs."""
 
     kind: DataKind = DataKind.SYNTHETIC
-    paths: tuple[str, ...] = ()  # tokens: one file; text: one or more, read in order as one stream
+    paths: tuple[str, ...] = ()  # tokens, batches: one file; text: one or more, read in order as one stream
     tokenizer: str | None = None  # text: None tokenises by bytes, else a tokenizers JSON file
     task: str | None = None  # task: one of TASKS
     modulus: int | None = None  # modular_addition: p
@@ -62,6 +65,8 @@ class DataSpec(Record):
             return f"tokens: {self.paths[0] if self.paths else '?'}"
         if self.kind is DataKind.TASK:
             return f"{(self.task or '?').replace('_', ' ')} mod {self.modulus}"
+        if self.kind is DataKind.BATCHES:
+            return f"batches: {self.paths[0] if self.paths else '?'}"
         return "synthetic chain"
 
 
@@ -75,6 +80,8 @@ def data_spec_problems(spec: Any) -> list[Problem]:
     if spec.kind is DataKind.TOKENS and not (len(spec.paths) == 1 and paths_ok
                                               and spec.paths[0].endswith(TOKEN_SUFFIXES)):
         return [("data", f"token data is one {' or '.join(TOKEN_SUFFIXES)} file of 1-D ids, got {spec.paths!r}")]
+    if spec.kind is DataKind.BATCHES and not (len(spec.paths) == 1 and paths_ok and spec.paths[0].endswith(".npy")):
+        return [("data", f"batch data is one .npy file of (steps, 2, B, T) ids, got {spec.paths!r}")]
     if spec.kind is DataKind.TEXT and not (spec.paths and paths_ok):
         return [("data", f"text data needs one or more file paths, got {spec.paths!r}")]
     if spec.kind is DataKind.TASK and not (spec.task in TASKS and is_int(spec.modulus) and spec.modulus >= 2):

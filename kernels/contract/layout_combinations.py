@@ -72,8 +72,8 @@ def tp_split_problems(tp: int, sizes: Mapping[str, int | None], sequence_paralle
     """[tp-*]: each size tensor parallelism splits (``TP_SPLIT``; a model's ``tp_sizes()``) divides by tp."""
     out = []
     for name, value in sizes.items():
-        # A module pattern ("model.layers.*.mlp.up_proj") is a width a model's own plan splits.
-        rule, why = ("tp-width", ": the tensor-parallel plan splits this module there") if "." in name \
+        # "width of <module pattern>": a width a model's own plan splits (kernels.contract.model_rules).
+        rule, why = ("tp-width", ": the tensor-parallel plan splits this module there") if name.startswith("width of ") \
             else TP_SPLIT.get(name, (f"tp-{name.replace('_', '-')}", ""))
         if name == "seq_len" and sequence_parallel:
             why += ", and sequence parallel splits the sequence"

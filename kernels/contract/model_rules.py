@@ -57,8 +57,7 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
     - [tp-plan]: tp > 1 needs a tensor-parallel plan (an HF config's own, the lab's for GPT-2, or ``tp_plan=``);
     - [tp-style]: every style in the plan is one the lab applies (``TP_STYLES``), named when it is not;
     - [tp-sp-model]: sequence parallel is built for the lab's own GPT and Llama only;
-    - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan);
-    - [pp-tied]: pp > 1 with a head tied to the embedding (two stages would each hold a copy).
+    - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan).
     """
     out: list[Problem] = []
     name = model.get("name") or "this model"
@@ -79,10 +78,6 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
         out.append(("pp-blocks", f"pp={pp} needs the model's block list, and {name} names none: pass "
                     "blocks='layers' (the nn.ModuleList; the modules before it run on the first stage, "
                     "those after on the last)"))
-    elif pp > 1 and model.get("tied"):
-        out.append(("pp-tied", f"{name} ties its LM head to the token embedding, and pp={pp} would put the two on "
-                    "different stages, whose copies the lab does not yet keep equal: untie them "
-                    "(tie_word_embeddings=False) or use pp=1"))
     return out
 
 

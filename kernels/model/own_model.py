@@ -70,6 +70,7 @@ class OwnModel(nn.Module):
             self.register_parameter(name, param)
         self.is_hf = spec["family"] == HF
         self.has_first = self.has_last = True
+        self.may_leave_parameters_unused = True  # kernels.parallel.ddp: routed experts, optional branches
 
     @property
     def blocks(self) -> dict[str, nn.Module]:
@@ -104,6 +105,15 @@ class OwnModel(nn.Module):
                 if _matches(name, pattern) and isinstance(getattr(module, "split_size", None), int):
                     module.split_size //= tp
 
+    def tied_copies(self, head_only: bool = False) -> list[nn.Parameter]:
+        """This stage's copy of a head tied to the embedding: the embedding's weight on the first stage, the
+        head's on the last (``kernels.parallel.tied_stages`` keeps them equal); none elsewhere or untied."""
+        if not self.spec.get("tied") or self.has_first == self.has_last:
+            return []
+        if self.has_first:
+            return [] if head_only else [self.inner.get_input_embeddings().weight]
+        return [self.inner.get_output_embeddings().weight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); a pipeline stage may take or give hidden states (B, T, C)."""
         if x.is_floating_point():  # a later stage: its first block takes x (see cut_stage)
@@ -114,8 +124,10 @@ class OwnModel(nn.Module):
             if self.has_last:
                 return self.inner(input_ids=x, use_cache=False).logits
             # Not the last stage: the base model (its final norm is gone) gives the hidden state, and none of
-            # what the LM class does to logits (soft-capping, scaling) applies to it.
-            return self.inner.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+            # what the LM class does to logits (soft-capping, scaling) applies to it. A view (GPT-2 reshapes its
+            # output) is copied: split-backward schedules detach a stage's output in place, which a view refuses.
+            hidden = self.inner.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+            return hidden.clone() if hidden._is_view() else hidden
         finally:
             self.received[0] = None
 

@@ -37,7 +37,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float = 2
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_ddp replicates plain tensors: this model holds DTensors (TP); use FSDP on dp")
     device_ids = None  # CPU / gloo; on CUDA DDP infers the device from the parameters
-    return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+    # A model the user brought may leave parameters without a gradient in a step (an expert no token
+    # reached): DDP then finds them each backward instead of waiting for them forever.
+    unused = getattr(model, "may_leave_parameters_unused", False)
+    return DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+               find_unused_parameters=unused)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

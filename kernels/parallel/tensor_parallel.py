@@ -64,7 +64,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     if hasattr(model, "after_tp"):  # a model the user brought: its tied head, its fused q/k/v (kernels.model.own_model)
         model.after_tp(tp)
     for param in model.parameters():
-        param.register_post_accumulate_grad_hook(_shard_grad_like_param)
+        if param.requires_grad:  # a frozen parameter (a model's fixed table) takes no gradient and no hook
+            param.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model
 
 

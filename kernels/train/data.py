@@ -34,7 +34,7 @@ from kernels.contract.data_spec import DataKind
 from kernels.contract.run_config import RunConfig
 from kernels.model.family import model_config
 from kernels.train.task_data import ModularAddition
-from kernels.train.token_data import TokenWindows, stream
+from kernels.train.token_data import StepBatches, TokenWindows, stream
 
 _BRANCH_WEIGHTS = (8.0, 4.0, 2.0, 1.0)  # successor probabilities ∝ these: entropy ≈ 1.14 nats
 
@@ -103,6 +103,12 @@ def dataset(run: RunConfig) -> GlobalBatches:
         return SyntheticTokens(mcfg.vocab, mcfg.seq_len, seed=run.dataset_seed)
     if spec.kind is DataKind.TASK:
         data, top = ModularAddition(spec.modulus, mcfg.seq_len, seed=run.dataset_seed), spec.modulus + 1
+    elif spec.kind is DataKind.BATCHES:
+        data = StepBatches(spec.paths[0])
+        top = int(data.batches.max())
+        if data.batches.size(3) != mcfg.seq_len:
+            raise ConfigError([("data-length", f"{spec.describe()} holds sequences of {data.batches.size(3)} "
+                                f"tokens and the model trains on seq_len={mcfg.seq_len}")])
     else:
         ids = stream(spec)
         if ids.numel() <= mcfg.seq_len:

@@ -63,7 +63,9 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
         if fsdp_bf16:
             for p, q in zip(model.parameters(), compute.parameters()):
                 p.grad = q.grad.float()
-        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        # A parameter the batch did not reach (an expert no token was routed to) has no gradient, as on the ranks.
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                                 if p.grad is not None]))))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)

@@ -26,7 +26,7 @@ from kernels.engine import runtime
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
 from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record, step_probe
-from kernels.model.family import build_model, model_config, model_loss
+from kernels.model.family import OwnConfig, build_model, model_config, model_loss
 from kernels.train.optimizer import build_optimizer, optimizer_class
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
@@ -34,6 +34,7 @@ from kernels.parallel.fsdp import describe_params, full_parameters
 from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, destroy_mesh_groups, dp_group, dp_rank,
                                    pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
+from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import PipelineTracer
@@ -100,8 +101,11 @@ class RankBuild:
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
+        cfg = model_config(run)
+        tied = TiedGrads(self.pipe.modules, pp_group(mesh), self.device) \
+            if isinstance(cfg, OwnConfig) and cfg.spec.get("tied") else None
         self.step_fn = PipelineStep(self.pipe, self.params_module, dp_group(mesh) if by_hand else None,
-                                    pp_group(mesh), self.device)
+                                    pp_group(mesh), self.device, tied)
 
     def batches(self, first: int, steps: int) -> BatchStream:
         """This rank's share of the global batches ``first`` .. ``first + steps - 1``."""

@@ -56,6 +56,23 @@ class TokenWindows:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+class StepBatches:
+    """The user's batches in order: step ``s`` is batch ``s`` (inputs and targets as given)."""
+
+    def __init__(self, path: str) -> None:
+        self.batches = _load_npy(path).long()  # (steps, 2, B, T)
+        if self.batches.dim() != 4 or self.batches.size(1) != 2:
+            raise ValueError(f"{path}: batch data is (steps, 2, B, T) ids, got {tuple(self.batches.shape)}")
+        self.tokens = self.batches[:, 0]  # the inputs: the ids checked against the vocabulary
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step``'s inputs and targets, each (B, T) int64."""
+        if step >= len(self.batches) or batch_size != self.batches.size(2):
+            raise ValueError(f"step {step} with a batch of {batch_size}: the data holds {len(self.batches)} "
+                             f"batches of {self.batches.size(2)}")
+        return self.batches[step, 0].contiguous(), self.batches[step, 1].contiguous()
+
+
 @functools.lru_cache(maxsize=8)
 def _stream(spec: DataSpec, stamps: tuple[float, ...]) -> torch.Tensor:
     """The spec's ids, read once per set of file versions (``stamps``: their modification times)."""

@@ -43,6 +43,7 @@ from kernels.parallel import pipeline
 from kernels.parallel.ddp import sync_gradients
 from kernels.parallel.p2p_staging import needs_staging, staged_p2p
 from kernels.parallel.tensor_parallel import loss_context
+from kernels.parallel.tied_stages import TiedGrads
 from kernels.train.step_hooks import StepHooks
 
 
@@ -78,9 +79,11 @@ class PipelineStep:
     """pp > 1: one schedule step, then the dp gradient average unless FSDP did it; returns the last stage's loss."""
 
     def __init__(self, runtime: pipeline.PipelineRuntime, stack: nn.Module, average_over: dist.ProcessGroup | None,
-                 pp_group: dist.ProcessGroup, device: torch.device) -> None:
+                 pp_group: dist.ProcessGroup, device: torch.device, tied: TiedGrads | None = None) -> None:
         self.runtime, self.params_module, self.average_over = runtime, stack, average_over
-        self.pp_group, self.device = pp_group, device
+        self.pp_group, self.device, self.tied = pp_group, device, tied
+        # A tied head's last-stage copy equals the embedding's after the sum: the norm counts it once.
+        self.skip_in_norm = tied.head_copies(runtime.modules) if tied else set()
         self.stage_p2p = needs_staging(device, pp_group)  # gloo ranks sharing a GPU
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor | None:
@@ -90,6 +93,8 @@ class PipelineStep:
         if self.average_over is not None:
             with hooks.part("all_reduce", nbytes=_grad_bytes(self.params_module)):
                 average_gradients(self.params_module, self.average_over)
+        if self.tied is not None:
+            self.tied.sum_gradients()
         return loss
 
     def replica_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +103,7 @@ class PipelineStep:
 
     def grad_norm(self) -> torch.Tensor:
         """This rank's stages, then summed in squares over the pipeline (stays on the device)."""
-        sq = grad_norm(self.params_module, self.device) ** 2
+        sq = grad_norm(self.params_module, self.device, skip=self.skip_in_norm) ** 2
         dist.all_reduce(sq, group=self.pp_group)
         return sq.sqrt()
 
@@ -166,7 +171,7 @@ class StepClock:
         return [begin.elapsed_time(end) / 1e3 for begin, end in self.marks]
 
 
-def grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
+def grad_norm(model: nn.Module, device: torch.device, skip: set[int] = frozenset()) -> torch.Tensor:
     """The L2 norm of the whole (dp-averaged) gradient, as one process would compute it: a float64 scalar on ``device``.
 
     Sums of squares are taken on local shards and all-reduced once per (mesh, sharded mesh dims)
@@ -176,11 +181,12 @@ def grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
     rank there holds the same values); a Partial gradient is reduced first, as squares of a sum
     are not sums of squares. Plain gradients are whole (DDP) or the same on every tp rank.
     The sums stay tensors, so the norm costs no host sync (a GPU rank keeps running ahead).
+    ``skip``: ids of parameters not counted (a second copy of a tied tensor).
     """
     total, groups = torch.zeros((), dtype=torch.float64, device=device), {}
     for p in model.parameters():
         g = p.grad
-        if g is None:
+        if g is None or id(p) in skip:
             continue
         if not isinstance(g, DTensor):
             total += g.detach().double().pow(2).sum().to(device)  # a CPU-offloaded gradient too

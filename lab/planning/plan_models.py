@@ -50,6 +50,7 @@ class ModelSpec:
     # DTensor input (from_local), so TP all-reduces that gradient three times.
     fused_qkv: bool = True
     per_tensor: bool = False  # size shards tensor by tensor (gpt_tensors), as the lab's GPT is built
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2), where ``bias`` is off
 
     @classmethod
     def from_gpt(cls, cfg: Any, name: str | None = None) -> "ModelSpec":
@@ -95,7 +96,7 @@ def _count_from_shape(m: ModelSpec) -> int:
     """Weights of a decoder/encoder stack: attention, MLP, norms, embeddings, head."""
     h, heads = m.hidden, m.heads or 1
     kv_dim = (m.kv_heads or heads) * (h // heads)  # GQA shrinks only k and v
-    attn = 2 * h * h + 2 * h * kv_dim + (2 * h + 2 * kv_dim if m.bias else 0)
+    attn = 2 * h * h + 2 * h * kv_dim + (2 * h + 2 * kv_dim if m.bias else h + 2 * kv_dim if m.qkv_bias else 0)
     mlp = (3 if m.gated_mlp else 2) * h * m.ffn + ((m.ffn + h) if m.bias else 0)
     norms = (4 if m.bias else 2) * h  # two norms per block, weight (+ bias)
     embed = m.vocab * h + (m.seq_len * h if m.learned_pos else 0)

@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from lab.planning.plan_layout import Plan, plan_layout
-from lab.planning.plan_models import ModelSpec, get_model
+from lab.planning.plan_models import ModelSpec
+from lab.planning.plan_own_models import model_spec
 from lab.planning.recommend import recommend
 
 
@@ -23,6 +24,10 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
          activations_gb: float | None = None) -> Plan:
     """Size one layout analytically.
 
+    ``model``: a preset name, a parameter count, a dict of shape fields, a ``ModelSpec``, a ``lab.GPT``,
+    or a config whose fields give the shape: a ``lab.Llama`` or a Hugging Face config
+    (``lab.planning.plan_own_models``).
+
     ``parallel``: a ``lab.run.parallel.Parallel``, any object with its attributes, or a dict
     (dp may be left out of a dict: it is gpus / (tp·pp)); None asks ``recommend()``.
     ``intra_bw``/``inter_bw``: GB/s per GPU inside a node and between nodes (defaults:
@@ -32,7 +37,7 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     "sgd", "sgd_momentum", or K itself. ``activations_gb`` replaces the activation
     estimate (the sizing guides' TP example assumes 20GB). Raises ValueError when dp·tp·pp ≠ gpus.
     """
-    spec = get_model(model)
+    spec = model_spec(model)
     options = dict(intra_bw=intra_bw, inter_bw=inter_bw, global_batch=global_batch, micro_batch=micro_batch,
                    seq_len=seq_len, dtype=dtype, optimizer=optimizer, microbatches=microbatches,
                    activation_checkpointing=activation_checkpointing, target_iter_s=target_iter_s,

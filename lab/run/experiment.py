@@ -126,7 +126,8 @@ class Experiment:
         out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
         out += fault_problems(self.faults, self.cluster.world_size, self.steps)
         out += hang_after_problems(self.hang_after)
-        out += data_problems(self.data_spec, self.model) if not out else []  # its checks build the run config
+        out += data_problems(self.data_spec, self.model, steps=self.steps, global_batch=self.global_batch) \
+            if not out else []  # its checks build the run config
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
 
     def run_config(self, *, return_params: bool = False) -> RunConfig:
@@ -226,7 +227,7 @@ class Experiment:
 def _model_config(model: Any) -> tuple[Any, list[Problem]]:
     """The model as the run names it: a lab.GPT or lab.Llama as given, a Hugging Face config or a
     ``lab.Model`` read once on the meta device (``lab.run.own_models``), with what stops that."""
-    if isinstance(model, (GPTConfig, LlamaConfig)):
+    if isinstance(model, (GPTConfig, LlamaConfig, OwnConfig)):  # OwnConfig: read already (lab.Training reloading)
         return model, []
     try:
         return own_config(model), []

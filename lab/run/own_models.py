@@ -89,15 +89,15 @@ def own_config(model: Any) -> OwnConfig:
 
 
 def _meta_build(spec: Model, hf: bool) -> nn.Module:
+    if hf:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as error:
+            raise ConfigError([("model-build", f"a Hugging Face model needs transformers: pip install "
+                                f"'cluster-lab[hf]' ({error})")]) from error
     try:
         with torch.device("meta"):
-            if hf:
-                from transformers import AutoModelForCausalLM
-                return AutoModelForCausalLM.from_config(spec.factory)
-            return spec.factory()
-    except ImportError as error:
-        raise ConfigError([("model-build", f"a Hugging Face model needs transformers: pip install "
-                            f"'cluster-lab[hf]' ({error})")]) from error
+            return AutoModelForCausalLM.from_config(spec.factory) if hf else spec.factory()
     except Exception as error:  # whatever the user's factory or config raises: named, before any rank sees it
         raise ConfigError([("model-build", f"building the model failed: {type(error).__name__}: {error}")]) from error
 
@@ -113,24 +113,41 @@ def _pickled(spec: Model) -> str:
 def _tp_plan(spec: Model, meta: nn.Module, hf: bool) -> dict[str, str] | None:
     if spec.tp_plan is not None:
         return dict(spec.tp_plan)
-    if hf and getattr(meta.config, "model_type", None) == "gpt2":
+    if not hf:
+        return None
+    if getattr(meta.config, "model_type", None) == "gpt2":
         return dict(GPT2_TP_PLAN)
-    return dict(getattr(meta, "_tp_plan", None) or {}) or None if hf else None
+    plan = dict(getattr(meta, "_tp_plan", None) or {})
+    # Some models list their base model's plan unprefixed: each entry as it names a module of the whole model.
+    # Some models list their base model's plan unprefixed; and a plan lists every module its model type may
+    # have, so entries for what this config does not build (dense MLPs of an all-MoE config) are left out.
+    prefix = f"{meta.base_model_prefix}."
+    named = {(k if _matching(meta, k) else prefix + k): v for k, v in plan.items()}
+    return {k: v for k, v in named.items() if _matching(meta, k)} or None
 
 
 def _hf_blocks(meta: nn.Module) -> str | None:
+    """The decoder's block list as the model's pipeline plan names it (``_pp_plan``, else the config's
+    ``base_model_pp_plan`` under the base model), or the lab's for GPT-2; None without a plan."""
     if getattr(meta.config, "model_type", None) == "gpt2":
         return GPT2_BLOCKS
     prefix = meta.base_model_prefix
-    for key in getattr(meta.config, "base_model_pp_plan", None) or {}:
-        if isinstance(meta.get_submodule(f"{prefix}.{key}"), (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            return f"{prefix}.{key}"
+    names = [*(getattr(meta, "_pp_plan", None) or {}),
+             *(f"{prefix}.{k}" for k in getattr(meta.config, "base_model_pp_plan", None) or {})]
+    for name in names:
+        try:
+            if isinstance(meta.get_submodule(name), (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                return name
+        except AttributeError:
+            continue
     return None
 
 
-def _matching(meta: nn.Module, pattern: str) -> list[nn.Module]:
+def _matching(meta: nn.Module, pattern: str) -> list[nn.Module | nn.Parameter]:
+    """The modules (or parameters: an MoE plan shards packed expert weights) a plan pattern names."""
     want = pattern.split(".")
-    return [m for name, m in meta.named_modules()
+    named = [*meta.named_modules(), *meta.named_parameters()]
+    return [m for name, m in named
             if len(name.split(".")) == len(want) and all(w in ("*", p) for p, w in zip(name.split("."), want))]
 
 
@@ -145,7 +162,7 @@ def _plan_problems(meta: nn.Module, tp_plan: dict[str, str] | None, blocks: str 
             out.append(("pp-blocks", f"blocks={blocks!r} must name a non-empty nn.ModuleList of the model"))
     for pattern in tp_plan or {}:
         if not _matching(meta, pattern):
-            out.append(("tp-plan", f"the tp_plan entry {pattern!r} matches no module of the model"))
+            out.append(("tp-plan", f"the tp_plan entry {pattern!r} matches no module or parameter of the model"))
     return out
 
 
@@ -175,9 +192,9 @@ def _tp_sizes(meta: nn.Module, tp_plan: dict[str, str] | None, hf: bool) -> dict
         sizes.update({k: v for k, v in (("heads", heads), ("kv_heads", kv)) if isinstance(v, int)})
     for pattern, style in (tp_plan or {}).items():
         for module in _matching(meta, pattern)[:1]:
-            weight = getattr(module, "weight", None)
+            weight = getattr(module, "weight", None) if isinstance(module, nn.Module) else None
             if weight is not None and style in _SHARDED_DIM and weight.dim() > _SHARDED_DIM[style]:
-                sizes[pattern] = weight.shape[_SHARDED_DIM[style]] // (3 if style == "fused_qkv_colwise" else 1)
+                sizes[f"width of {pattern}"] = weight.shape[_SHARDED_DIM[style]] // (3 if style == "fused_qkv_colwise" else 1)
     return sizes
 
 

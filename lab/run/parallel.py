@@ -53,14 +53,25 @@ RULES = {
     "heads-d-model": "d_model (a Llama's hidden) must be divisible by heads, and a Llama's heads by kv_heads",
     "data-vocab": "the data's token ids must fit the model's vocab (the synthetic chain needs vocab >= 4: every "
                   "token has 4 distinct successors; bytes need the largest byte; modular addition mod p needs p + 2)",
-    "data": "data= is None, lab.Text, lab.Tokens or lab.ModularAddition (a path, a list of paths or a 1-D "
-            "tensor of ids stand for the first two), with the fields its kind needs",
+    "data": "data= is None, lab.Text, lab.Tokens, lab.ModularAddition or lab.Batches (a path, a list of paths, "
+            "a 1-D tensor of ids, a datasets.Dataset or an iterable of batches stand for them), with the fields "
+            "its kind needs",
     "data-file": "the data's files exist where the ranks read them and hold text, or 1-D integer token ids",
-    "data-length": "the data holds at least one sequence: seq_len + 1 tokens",
+    "data-length": "the data holds at least one sequence: seq_len + 1 tokens (your own batches: one per step)",
+    "data-batch": "each of your own batches holds global_batch sequences",
+    # A model the user brought (kernels.contract.model_rules, lab.run.own_models).
+    "model-build": "the model builds from its factory or its Hugging Face config (transformers installed)",
+    "model-pickle": "a lab.Model's factory and loss can be pickled (by value), so every rank can build it",
+    "tp-plan": "tp > 1 needs a tensor-parallel plan whose every entry names a module (or parameter) of the model",
+    "tp-style": "every style in the plan is one the lab applies (kernels.contract.model_rules.TP_STYLES)",
+    "tp-width": "tp must divide each width the tensor-parallel plan splits",
+    "tp-sp-model": "sequence_parallel is built for lab.GPT and lab.Llama only",
+    "pp-blocks": "pp > 1 needs the model's block list: blocks= names a non-empty nn.ModuleList",
     "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
     "synthetic-cost": "synthetic_forward_s is a finite number of seconds > 0, and needs trace=True",
     "optimizer": "the optimizer must be one of kernels.contract.config_rules.OPTIMIZERS: adamw or sgd",
-    "argument-types": "an Experiment's model is a lab.GPT and its parallel a lab.Parallel",
+    "argument-types": "an Experiment's model is a lab.GPT, a lab.Llama, a Hugging Face config or a lab.Model, "
+                      "and its parallel a lab.Parallel",
     "model-seed": "the Experiment's seed fixes the weights: lab.GPT's seed must be left at 0 or equal it",
     "checkpoint": "checkpoint_dir and resume_from are path strings, checkpoint_every an int >= 1; checkpoint_every "
                   "and checkpoint_async need checkpoint_dir; a resume needs steps beyond the checkpoint's step",
