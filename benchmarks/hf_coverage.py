@@ -47,20 +47,29 @@ SHRINK = {  # attribute -> tiny value; applied where the default config has the 
     "vocab_size": 128, "max_position_embeddings": 64, "n_positions": 64,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "sliding_window": 16, "first_k_dense_replace": 1,
+    "sliding_window": 16, "first_k_dense_replace": 1, "rotary_dim": 8,
+    # multi-head latent attention (DeepSeek V2/V3 and their kin): the low-rank and split head sizes
+    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }
 SEQ_LEN, GLOBAL_BATCH, STEPS, TIMEOUT_S = 16, 4, 2, 180
 MAX_PARAMS, CHUNK = 20_000_000, 20  # a process per CHUNK types: every modeling module imported stays in memory
 
 
+def _shrunk(fields: dict, known: set[str]) -> dict:
+    """The changes that make ``fields`` (a config's dict) tiny: sizes, per-layer lists, sub-configs."""
+    changes = {k: v for k, v in SHRINK.items() if k in known}
+    for name, value in fields.items():
+        if isinstance(value, list) and name.endswith(("layer_types", "_pattern")) and len(value) > 2:
+            changes[name] = value[:2]  # per-layer lists follow the depth
+        elif isinstance(value, dict) and "model_type" in value:  # a composite model's text or vision config
+            changes[name] = {**value, **_shrunk(value, set(value))}
+    return changes
+
+
 def tiny_config(model_type: str):
     """The type's default config with every size in ``SHRINK`` it has set small (and per-layer lists cut)."""
     default = AutoConfig.for_model(model_type)
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    changes = {k: v for k, v in SHRINK.items() if k in known}
-    for name, value in default.to_dict().items():  # per-layer lists follow the depth
-        if isinstance(value, list) and name.endswith(("layer_types", "_pattern")) and len(value) > 2:
-            changes[name] = value[:2]
+    changes = _shrunk(default.to_dict(), set(default.to_dict()) | set(getattr(default, "attribute_map", {})))
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(default, token, None), int) and getattr(default, token) >= SHRINK["vocab_size"]:
             changes[token] = 0
@@ -115,11 +124,15 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--only", ",".join(types[start:start + CHUNK]),
                             "--rows-to", str(out)], check=True)
             rows += [tuple(row) for row in json.loads(out.read_text())]
-    counts = {name: collections.Counter(o[name].split(" ")[0].rstrip(":") for _, o, _ in rows) for name in LAYOUTS}
+    counts = {name: collections.Counter(_kind(o[name]) for _, o, _ in rows) for name in LAYOUTS}
     summary = "\n".join(f"- {name}: " + ", ".join(f"{n} {kind}" for kind, n in sorted(c.items())) for name, c in counts.items())
     print(summary, f"\n{len(rows)} types in {time.perf_counter() - began:.0f} s", flush=True)
     if args.write:
         write_table(rows, summary)
+
+
+def _kind(outcome: str) -> str:
+    return "no tiny model" if outcome.startswith("no tiny") else outcome.split(" ")[0].rstrip(":")
 
 
 def coverage_rows(types: list[str]) -> list[tuple[str, dict[str, str], str]]:

@@ -40,7 +40,7 @@ EIGHT_RANKS = {"pp2-dp2-tp2"}
 
 # (A, B): the matrix
 # The fast tier keeps two relayouts (DP -> TP×FSDP, FSDP -> PP×TP); the rest of the matrix is slow.
-PAIRS = [("dp4", "tp2-dp2-zero3"), ("zero3-dp4", "pp2-tp2-1f1b"),
+PAIRS = [("dp4", "tp2-dp2-zero3"), pytest.param("zero3-dp4", "pp2-tp2-1f1b", marks=pytest.mark.slow),  # 4 s
          pytest.param("pp2-dp2-gpipe", "zero1-dp4", marks=pytest.mark.slow),
          pytest.param("pp2-tp2-interleaved", "zero2-dp4", marks=pytest.mark.slow),
          pytest.param("zero3-dp4-cpu-offload", "hsdp-2x2", marks=pytest.mark.slow),

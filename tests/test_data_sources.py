@@ -129,6 +129,7 @@ def _rows(steps: int, batch: int = 8, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 100, (batch, MODEL["seq_len"] + 1), generator=g) for _ in range(steps)]
 
 
+@pytest.mark.slow  # fast tier: the batches' refusal below; the data's layouts are covered above
 def test_your_own_batches_are_trained_in_order_and_sharded_as_one_process_sees_them(cluster):
     """An iterable of (B, T+1) rows: step s trains on batch s, under PP2×DP2 as in one process; and the reference's
     first loss is the seeded model's loss on the first batch, not on any other."""

@@ -55,7 +55,7 @@ def test_stages_chained_give_the_whole_models_logits(make):
 
 
 def test_hf_llama_under_tp_and_dp_matches_one_process(cluster):
-    _parity(cluster, hf_llama(), dict(dp=2, tp=2))
+    _parity(cluster, hf_llama(num_hidden_layers=2), dict(dp=2, tp=2))
 
 
 @pytest.mark.slow  # fast tier: TP x DP above
@@ -87,6 +87,7 @@ def test_3d_on_eight_ranks_matches_one_process(cluster8):
     _parity(cluster8, hf_llama(), dict(pp=2, dp=2, tp=2, microbatches=2))
 
 
+@pytest.mark.slow  # two runs, an export and a resume: 15 s
 @pytest.mark.parametrize("make, resume_layout", [
     (hf_llama, dict(pp=2, dp=2, microbatches=2)),
     pytest.param(gpt2, dict(dp=4, zero=3), marks=pytest.mark.slow),  # tied: save_pretrained stores the head once

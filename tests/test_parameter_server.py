@@ -140,7 +140,8 @@ def test_a_killed_worker_is_named_and_a_replaced_engine_serves_the_next_run(clus
     assert ps.run(timeout=120).matches(ps.reference(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("bounded", marks=pytest.mark.slow)])  # 5 s each
+@pytest.mark.slow  # 5 s each; the fast tier keeps the hung worker's report
+@pytest.mark.parametrize("mode", ["sync", "bounded"])
 def test_stop_ends_a_started_run_after_a_step_and_the_pool_runs_on(cluster, mode):
     steps = 400  # far more than run in the seconds before the stop
     ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=1, mode=mode, global_batch=12, steps=steps,

@@ -78,6 +78,10 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
         out.append(("pp-blocks", f"pp={pp} needs the model's block list, and {name} names none: pass "
                     "blocks='layers' (the nn.ModuleList; the modules before it run on the first stage, "
                     "those after on the last)"))
+    elif pp > 1 and model["pp_plan"].get("unplaced"):
+        out.append(("pp-blocks", f"pp={pp}: the pipeline plan of {name} leaves out "
+                    f"{', '.join(model['pp_plan']['unplaced'])}, which holds parameters, so no stage is known "
+                    "to run it; use pp=1"))
     return out
 
 

@@ -199,12 +199,12 @@ def decode_factory(text: str) -> tuple[Callable[[], nn.Module], Callable | None]
 
 
 def hf_config(spec: Mapping[str, Any]):
-    """The transformers config ``spec["config"]`` holds (its ``to_dict``), dropout set to zero."""
+    """The transformers config ``spec["config"]`` holds (its ``to_dict``), dropout and jitter noise set to zero."""
     from transformers import AutoConfig
     fields = {k: v for k, v in spec["config"].items() if k not in ("model_type", "transformers_version")}
     config = AutoConfig.for_model(spec["config"]["model_type"], **fields)
     for name, value in list(vars(config).items()):
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+        if any(word in name for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):
             setattr(config, name, 0.0)
     return config
 

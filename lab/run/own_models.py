@@ -77,9 +77,9 @@ def own_config(model: Any) -> OwnConfig:
     if problems:
         raise ConfigError(problems)
     fields = {"family": HF if hf else MODULE, "layers": len(meta.get_submodule(blocks)) if blocks else None,
-              "tp_plan": tp_plan, "pp_plan": _pp_plan(meta, blocks) if blocks else None,
+              "tp_plan": tp_plan, "pp_plan": _pp_plan(meta, blocks, hf) if blocks else None,
               "tp_sizes": _tp_sizes(meta, tp_plan, hf), "tied": _tied(meta),
-              "vocab": spec.vocab or _vocab(meta), "seq_len": _seq_len(spec, meta, hf)}
+              "vocab": spec.vocab or _vocab(meta, hf), "seq_len": _seq_len(spec, meta, hf)}
     if hf:
         fields["config"] = spec.factory.to_dict()
     else:
@@ -166,10 +166,25 @@ def _plan_problems(meta: nn.Module, tp_plan: dict[str, str] | None, blocks: str 
     return out
 
 
-def _pp_plan(meta: nn.Module, blocks: str) -> dict[str, Any]:
-    """Which modules with parameters go before the blocks (first stage) and after them (last stage), in
-    registration order at each level on the way down to the blocks. Modules without parameters (rotary
-    tables, dropout) stay on every stage."""
+def _pp_plan(meta: nn.Module, blocks: str, hf: bool) -> dict[str, Any]:
+    """Which modules go before the blocks (first stage) and after them (last stage).
+
+    An HF model's pipeline plan lists its base model's stage modules in forward order (the embedding,
+    the blocks, the final norm, which may hold no parameter); the LM head follows. Elsewhere (a
+    ``lab.Model``, GPT-2): the modules with parameters in registration order at each level on the way
+    down to the blocks. Modules the plan does not name and that hold no parameters (rotary tables,
+    dropout) stay on every stage."""
+    order = list(getattr(meta.config, "base_model_pp_plan", None) or {}) if hf else []
+    prefix = f"{meta.base_model_prefix}." if hf else ""
+    if f"{prefix}{blocks.rpartition('.')[2]}" == blocks and blocks.rpartition(".")[2] in order:
+        at = order.index(blocks.rpartition(".")[2])
+        heads = [n for n, child in meta.named_children() if n != meta.base_model_prefix
+                 and any(True for _ in child.parameters())]
+        # A module with parameters the plan does not name (a hyper-connection head) has no known stage.
+        unplaced = [prefix + n for n, child in meta.get_submodule(meta.base_model_prefix).named_children()
+                    if n not in order and any(True for _ in child.parameters())]
+        return {"first": [prefix + k for k in order[:at]], "blocks": blocks,
+                "last": [prefix + k for k in order[at + 1:]] + heads, "unplaced": unplaced}
     first, last, module, prefix = [], [], meta, ""
     for part in blocks.split("."):
         names = list(module._modules)
@@ -206,7 +221,13 @@ def _tied(meta: nn.Module) -> bool:
     return head is not None and embedding is not None and head.weight is embedding.weight
 
 
-def _vocab(meta: nn.Module) -> int | None:
+def _vocab(meta: nn.Module, hf: bool) -> int | None:
+    """The ids the data may use: an HF model's input embedding rows and logits width, the smaller (a composite
+    model holds other embeddings, for image patches or positions), else the first ``nn.Embedding``'s rows."""
+    if hf:  # the ids must fit both the embedding and the logits (a model may embed more ids than it predicts)
+        head = meta.get_output_embeddings()
+        sizes = [getattr(meta.get_input_embeddings(), "num_embeddings", None), getattr(head, "out_features", None)]
+        return min((n for n in sizes if isinstance(n, int)), default=None)
     return next((m.num_embeddings for m in meta.modules() if isinstance(m, nn.Embedding)), None)
 
 
