@@ -64,8 +64,11 @@ def test_hf_llama_under_tp_and_dp_matches_one_process(cluster):
     dict(dp=2, tp=2, zero=3), dict(dp=2, tp=2, loss_parallel=True), dict(pp=2, dp=2, microbatches=2),
     dict(pp=2, tp=2, microbatches=2), dict(pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4),
     dict(dp=4, zero=3, mixed_precision="bf16", activation_checkpointing=True),
+    dict(dp=2, tp=2, sequence_parallel=True), dict(dp=2, tp=2, zero=3, sequence_parallel=True, loss_parallel=True,
+                                                   activation_checkpointing=True),
+    dict(pp=2, tp=2, sequence_parallel=True, microbatches=2),
 ], ids=["ddp4", "zero1", "zero2", "zero3", "hsdp-2x2", "tp2-fsdp2", "tp2-dp2-loss-parallel", "pp2-dp2-1f1b",
-        "pp2-tp2-1f1b", "pp2-dp2-interleaved", "zero3-bf16-ac"])
+        "pp2-tp2-1f1b", "pp2-dp2-interleaved", "zero3-bf16-ac", "tp2-dp2-sp", "tp2-fsdp2-sp-lp-ac", "pp2-tp2-sp"])
 def test_hf_llama_on_every_layout_family_matches_one_process(cluster, layout):
     _parity(cluster, hf_llama(), layout)
 
@@ -133,3 +136,14 @@ def test_a_live_hf_training_relayouts_and_goes_on_as_one_run(cluster):
         training.relayout(lab.Parallel(pp=2, dp=2, microbatches=2))
         training.step(2)
         assert training.losses == pytest.approx(whole.losses, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_qwen3s_head_norms_replicated_with_their_gradient_summed_match_one_process(cluster):
+    """Qwen3 normalises each head's q and k (``replicated_with_grad_allreduce``): under TP each rank normalises its
+    heads with the whole weight, whose gradient is summed over every rank's heads."""
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    assert "replicated_with_grad_allreduce" in own_config(config).spec["tp_plan"].values()
+    _parity(cluster, config, dict(dp=2, tp=2))
+    _parity(cluster, config, dict(dp=2, tp=2, sequence_parallel=True))

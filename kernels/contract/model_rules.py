@@ -6,7 +6,9 @@ builds it, the driver puts in the dict what the layout needs to know, read once 
 meta device: ``layers`` (the blocks a pipeline cuts), ``tp_sizes`` (what tensor parallelism splits),
 ``tp_plan`` (module pattern -> style, or None), ``pp_plan`` (which top-level modules go before and after
 the blocks, or None), ``tied`` (the head reuses the token embedding), and the ``vocab`` and training
-window ``seq_len`` the data needs. The ranks check the same
+window ``seq_len`` the data needs, and ``sp``: a block's norms and the attention and MLP to gather for
+under sequence parallelism (``kernels.model.own_sequence_parallel``), or None where the model is not built
+for it. The ranks check the same
 dict again, so a run started from a saved config meets the same rules.
 
 Run alone (prints the problems of a plan-less module under TP2×PP2)::
@@ -27,8 +29,8 @@ OWN_FAMILIES = (HF, MODULE)
 # The tensor-parallel styles the lab applies (kernels.model.own_tp), as transformers' plans spell them.
 # "fused_qkv_colwise" is the lab's own, for GPT-2's one c_attn (q, k and v side by side, sharded by heads).
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "fused_qkv_colwise",
-             "conv1d_rowwise", "conv1d_colwise")
-_SHARED_KEYS = ("family", "layers", "tp_sizes", "tp_plan", "pp_plan", "tied", "vocab", "seq_len")
+             "conv1d_rowwise", "conv1d_colwise", "replicated_with_grad_allreduce")
+_SHARED_KEYS = ("family", "layers", "tp_sizes", "tp_plan", "pp_plan", "tied", "vocab", "seq_len", "sp")
 OWN_KEYS = {HF: (*_SHARED_KEYS, "config"), MODULE: (*_SHARED_KEYS, "factory", "name")}
 
 
@@ -56,7 +58,7 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
 
     - [tp-plan]: tp > 1 needs a tensor-parallel plan (an HF config's own, the lab's for GPT-2, or ``tp_plan=``);
     - [tp-style]: every style in the plan is one the lab applies (``TP_STYLES``), named when it is not;
-    - [tp-sp-model]: sequence parallel is built for the lab's own GPT and Llama only;
+    - [tp-sp-model]: sequence parallel needs an HF decoder of norms, attention and MLP (``sp``);
     - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan).
     """
     out: list[Problem] = []
@@ -71,9 +73,10 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
             if unknown:
                 out.append(("tp-style", f"the plan of {name} uses styles the lab does not apply: "
                             f"{', '.join(unknown)}; applied: {list(TP_STYLES)}"))
-        if sequence_parallel:
-            out.append(("tp-sp-model", f"sequence_parallel is built for lab.GPT and lab.Llama, not {name}: "
-                        "use sequence_parallel=False"))
+        if sequence_parallel and not model.get("sp"):
+            out.append(("tp-sp-model", f"sequence_parallel needs blocks of norms, attention and MLP whose outputs "
+                        f"the plan splits row-wise, and an LM head the plan splits column-wise; {name} is not "
+                        "built so (or is a lab.Model): use sequence_parallel=False"))
     if pp > 1 and not model.get("pp_plan"):
         out.append(("pp-blocks", f"pp={pp} needs the model's block list, and {name} names none: pass "
                     "blocks='layers' (the nn.ModuleList; the modules before it run on the first stage, "

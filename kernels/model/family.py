@@ -52,7 +52,8 @@ class OwnConfig:
         return self.spec["seq_len"]
 
     def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
-        return dict(self.spec.get("tp_sizes") or {})
+        sizes = dict(self.spec.get("tp_sizes") or {})
+        return {**sizes, "seq_len": self.spec["seq_len"]} if sequence_parallel else sizes
 
 
 ModelConfig = GPTConfig | LlamaConfig | OwnConfig

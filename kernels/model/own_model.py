@@ -32,9 +32,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.contract import layout_rules
 from kernels.contract.model_rules import HF
+from kernels.model.own_sequence_parallel import sequence_parallel_plans, shard_sequence
 from kernels.model.own_tp import parallel_style
 
 
@@ -71,6 +73,7 @@ class OwnModel(nn.Module):
         self.is_hf = spec["family"] == HF
         self.has_first = self.has_last = True
         self.may_leave_parameters_unused = True  # kernels.parallel.ddp: routed experts, optional branches
+        self.sequence_shards = 1  # tp under sequence parallelism: a received hidden state holds T/tp positions
 
     @property
     def blocks(self) -> dict[str, nn.Module]:
@@ -79,8 +82,9 @@ class OwnModel(nn.Module):
         return dict(self.get_submodule(plan["blocks"]).named_children()) if plan else {}
 
     def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
-        """The sizes the plan splits (heads, kv_heads, ffn, vocab: what the model has of them)."""
-        return dict(self.spec.get("tp_sizes") or {})
+        """The sizes the plan splits (heads, kv_heads, module widths), and the sequence under sequence parallel."""
+        sizes = dict(self.spec.get("tp_sizes") or {})
+        return {**sizes, "seq_len": self.spec["seq_len"]} if sequence_parallel else sizes
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
         """(per-block plan, plan for the rest): the spec's styles as DTensor styles, for the modules this
@@ -90,13 +94,25 @@ class OwnModel(nn.Module):
         block_plan = {k[len(prefix):]: parallel_style(v, loss_parallel) for k, v in plan.items()
                       if prefix and k.startswith(prefix)}
         outer = {k: parallel_style(v, loss_parallel) for k, v in plan.items()
-                 if not (prefix and k.startswith(prefix)) and _holds_parameters(self, k)}
-        return block_plan, outer
+                 if not (prefix and k.startswith(prefix))}
+        if sequence_parallel:
+            block_plan, outer = sequence_parallel_plans(self.spec, block_plan, outer, loss_parallel)
+        return block_plan, {k: v for k, v in outer.items() if _holds_parameters(self, k)}
 
-    def after_tp(self, tp: int) -> None:
+    def after_tp(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         """What sharding by ``parallelize_module`` undoes or leaves to the model: a head tied to the embedding
         gets the embedding's (now sharded) weight again, and an attention that splits one fused q/k/v
-        output (GPT-2's ``split_size``) splits its local third."""
+        output (GPT-2's ``split_size``) splits its local third. Under sequence parallelism the first stage
+        cuts its first block's input to this rank's positions (``kernels.model.own_sequence_parallel``)."""
+        tp = tp_mesh.size()
+        if sequence_parallel:
+            self.sequence_shards = tp
+            if self.has_first:
+                first = next(iter(self.blocks.values()))
+                first.register_forward_pre_hook(
+                    lambda mod, args, kwargs: ((shard_sequence(args[0], tp_mesh), *args[1:]), kwargs) if args
+                    else (args, {**kwargs, "hidden_states": shard_sequence(kwargs["hidden_states"], tp_mesh)}),
+                    with_kwargs=True)
         if self.spec.get("tied") and self.has_first and self.has_last:
             self.inner.get_output_embeddings().weight = self.inner.get_input_embeddings().weight
         fused = [k.rpartition(".")[0] for k, v in (self.spec.get("tp_plan") or {}).items() if v == "fused_qkv_colwise"]
@@ -116,8 +132,9 @@ class OwnModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); a pipeline stage may take or give hidden states (B, T, C)."""
-        if x.is_floating_point():  # a later stage: its first block takes x (see cut_stage)
-            self.received[0], x = x, torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        if x.is_floating_point():  # a later stage: its first block takes x (see cut_stage); x may be a sequence shard
+            length = x.shape[1] * self.sequence_shards
+            self.received[0], x = x, torch.zeros((x.shape[0], length), dtype=torch.long, device=x.device)
         try:
             if not self.is_hf:
                 return self.inner(x)

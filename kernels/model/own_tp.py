@@ -12,7 +12,9 @@ styles (``ColwiseParallel``, ``RowwiseParallel``), with the layouts the name mea
   a column split shards dim 1 and a row split dim 0;
 - ``fused_qkv_colwise``: GPT-2's one ``c_attn`` holding q, k and v side by side. Each rank keeps
   its heads of all three (``_StridedShard(1, split_factor=3)``: the three blocks sharded alike),
-  and the attention then splits its local output in three.
+  and the attention then splits its local output in three;
+- ``replicated_with_grad_allreduce``: a q/k norm over one head's features, applied to this rank's
+  heads with its weight replicated and its gradient summed over the heads of every rank.
 
 Run alone (prints the style each plan entry becomes)::
 
@@ -24,7 +26,8 @@ from functools import partial
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
@@ -77,6 +80,31 @@ class Conv1DRowwise(RowwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
+class HeadNormReplicated(ParallelStyle):
+    """A norm over each head's features (q/k norms), applied to this rank's heads: its weight replicated, its
+    input this rank's heads of a (..., heads, head_dim) tensor. As a DTensor the weight's gradient is a partial
+    sum over heads, which ``kernels.parallel.tensor_parallel`` reduces to the whole one (transformers' name for
+    this is ``replicated_with_grad_allreduce``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._heads_in, self._local_out)
+
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()],
+                                                                            src_data_rank=None)))
+
+    @staticmethod
+    def _heads_in(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        return (DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _local_out(module: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return outputs.to_local()
+
+
 def parallel_style(style: str, loss_parallel: bool = False) -> ParallelStyle:
     """The DTensor style ``style`` (a name in ``kernels.contract.model_rules.TP_STYLES``) stands for."""
     if style == "colwise":
@@ -94,6 +122,8 @@ def parallel_style(style: str, loss_parallel: bool = False) -> ParallelStyle:
         return Conv1DRowwise()
     if style == "fused_qkv_colwise":
         return FusedQKVColwise()
+    if style == "replicated_with_grad_allreduce":
+        return HeadNormReplicated()
     raise ValueError(f"unknown tensor-parallel style {style!r}")  # the driver's [tp-style] refuses it first
 
 

@@ -62,7 +62,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     if outer_plan:
         parallelize_module(model, tp_mesh, outer_plan, src_data_rank=None)
     if hasattr(model, "after_tp"):  # a model the user brought: its tied head, its fused q/k/v (kernels.model.own_model)
-        model.after_tp(tp)
+        model.after_tp(tp_mesh, sequence_parallel)
     for param in model.parameters():
         if param.requires_grad:  # a frozen parameter (a model's fixed table) takes no gradient and no hook
             param.register_post_accumulate_grad_hook(_shard_grad_like_param)

@@ -79,7 +79,8 @@ def own_config(model: Any) -> OwnConfig:
     fields = {"family": HF if hf else MODULE, "layers": len(meta.get_submodule(blocks)) if blocks else None,
               "tp_plan": tp_plan, "pp_plan": _pp_plan(meta, blocks, hf) if blocks else None,
               "tp_sizes": _tp_sizes(meta, tp_plan, hf), "tied": _tied(meta),
-              "vocab": spec.vocab or _vocab(meta, hf), "seq_len": _seq_len(spec, meta, hf)}
+              "vocab": spec.vocab or _vocab(meta, hf), "seq_len": _seq_len(spec, meta, hf),
+              "sp": _sequence_parallel_layout(meta, blocks, tp_plan) if hf and blocks and tp_plan else None}
     if hf:
         fields["config"] = spec.factory.to_dict()
     else:
@@ -123,7 +124,21 @@ def _tp_plan(spec: Model, meta: nn.Module, hf: bool) -> dict[str, str] | None:
     # have, so entries for what this config does not build (dense MLPs of an all-MoE config) are left out.
     prefix = f"{meta.base_model_prefix}."
     named = {(k if _matching(meta, k) else prefix + k): v for k, v in plan.items()}
-    return {k: v for k, v in named.items() if _matching(meta, k)} or None
+    return {k: _head_norm_checked(meta, k, v) for k, v in named.items() if _matching(meta, k)} or None
+
+
+def _head_norm_checked(meta: nn.Module, pattern: str, style: str) -> str:
+    """The lab applies ``replicated_with_grad_allreduce`` to a norm over one head's features; on a norm over a
+    wider (head-sharded) vector it would be wrong, so such an entry is named for [tp-style] to refuse."""
+    if style != "replicated_with_grad_allreduce":
+        return style
+    config = meta.config.get_text_config()  # a composite model's sizes are its text config's
+    heads, hidden = _config_int(config, "num_attention_heads"), _config_int(config, "hidden_size")
+    head_dim = _config_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    if head_dim is None:
+        return f"{style} (no one head size)"
+    weight = getattr(_matching(meta, pattern)[0], "weight", None)
+    return style if weight is not None and weight.numel() == head_dim else f"{style} over more than one head"
 
 
 def _hf_blocks(meta: nn.Module) -> str | None:
@@ -197,13 +212,35 @@ def _pp_plan(meta: nn.Module, blocks: str, hf: bool) -> dict[str, Any]:
     return {"first": first, "blocks": blocks, "last": last}
 
 
+def _sequence_parallel_layout(meta: nn.Module, blocks: str, tp_plan: dict[str, str]) -> dict[str, list[str]] | None:
+    """A block's children by what sequence parallelism does with them: norms run on the sequence shard, the
+    attention and MLP gather it (each must end in a row-parallel projection, which scatters it again); and
+    the final norms after the blocks. None when a block holds anything else, or the head is not column-split."""
+    first = next(iter(meta.get_submodule(blocks).children()))
+    norms, gather = [], []
+    for name, child in first.named_children():
+        inside = {k.split(f"{blocks}.*.{name}.", 1)[1]: v for k, v in tp_plan.items() if k.startswith(f"{blocks}.*.{name}.")}
+        if type(child).__name__.endswith("Norm"):
+            norms.append(name)
+        elif "colwise" in inside.values() and "rowwise" in inside.values():
+            gather.append(name)
+        elif any(True for _ in child.parameters()):
+            return None
+    heads = [k for k, v in tp_plan.items() if v == "colwise_gather_output"]
+    if not gather or not heads:
+        return None
+    base = meta.get_submodule(meta.base_model_prefix)
+    final = [f"{meta.base_model_prefix}.{n}" for n, c in base.named_children() if type(c).__name__.endswith("Norm")]
+    return {"norms": norms, "gather": gather, "final_norms": final}
+
+
 def _tp_sizes(meta: nn.Module, tp_plan: dict[str, str] | None, hf: bool) -> dict[str, int]:
     """What tp must divide: an HF model's head counts (and FFN width), and every planned module's split width."""
     sizes: dict[str, int] = {}
     if hf:
         config = meta.config
-        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-        kv = getattr(config, "num_key_value_heads", None) or heads
+        heads = _config_int(config, "num_attention_heads") or _config_int(config, "n_head")
+        kv = _config_int(config, "num_key_value_heads") or heads
         sizes.update({k: v for k, v in (("heads", heads), ("kv_heads", kv)) if isinstance(v, int)})
     for pattern, style in (tp_plan or {}).items():
         for module in _matching(meta, pattern)[:1]:
@@ -211,6 +248,16 @@ def _tp_sizes(meta: nn.Module, tp_plan: dict[str, str] | None, hf: bool) -> dict
             if weight is not None and style in _SHARDED_DIM and weight.dim() > _SHARDED_DIM[style]:
                 sizes[f"width of {pattern}"] = weight.shape[_SHARDED_DIM[style]] // (3 if style == "fused_qkv_colwise" else 1)
     return sizes
+
+
+def _config_int(config: Any, name: str) -> int | None:
+    """``config.<name>`` when it is one int; None when absent or per layer (a heterogeneous config raises its
+    own error for a global read of a per-layer size)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, and its kin
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _tied(meta: nn.Module) -> bool:

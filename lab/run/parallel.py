@@ -65,7 +65,7 @@ RULES = {
     "tp-plan": "tp > 1 needs a tensor-parallel plan whose every entry names a module (or parameter) of the model",
     "tp-style": "every style in the plan is one the lab applies (kernels.contract.model_rules.TP_STYLES)",
     "tp-width": "tp must divide each width the tensor-parallel plan splits",
-    "tp-sp-model": "sequence_parallel is built for lab.GPT and lab.Llama only",
+    "tp-sp-model": "sequence_parallel needs blocks of norms, attention and MLP (lab.GPT, lab.Llama, HF decoders)",
     "pp-blocks": "pp > 1 needs the model's block list: blocks= names a non-empty nn.ModuleList",
     "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
     "synthetic-cost": "synthetic_forward_s is a finite number of seconds > 0, and needs trace=True",
