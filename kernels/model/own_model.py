@@ -118,7 +118,7 @@ class OwnModel(nn.Module):
         fused = [k.rpartition(".")[0] for k, v in (self.spec.get("tp_plan") or {}).items() if v == "fused_qkv_colwise"]
         for pattern in fused:
             for name, module in self.named_modules():
-                if _matches(name, pattern) and isinstance(getattr(module, "split_size", None), int):
+                if matches(name, pattern) and isinstance(getattr(module, "split_size", None), int):
                     module.split_size //= tp
 
     def tied_copies(self, head_only: bool = False) -> list[nn.Parameter]:
@@ -191,7 +191,7 @@ class OwnModel(nn.Module):
             config.layer_types = [types[names.index(n)] for n in kept]
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches(name: str, pattern: str) -> bool:
     """Whether a module name fits a plan pattern, ``*`` standing for one name part (a block's index)."""
     parts, want = name.split("."), pattern.split(".")
     return len(parts) == len(want) and all(w in ("*", p) for p, w in zip(parts, want))
@@ -215,12 +215,13 @@ def decode_factory(text: str) -> tuple[Callable[[], nn.Module], Callable | None]
     return pickle.loads(base64.b64decode(text))
 
 
-def hf_config(spec: Mapping[str, Any]):
-    """The transformers config ``spec["config"]`` holds (its ``to_dict``), dropout and jitter noise set to zero."""
+def hf_config(spec: Mapping[str, Any], *, for_training: bool = True):
+    """The transformers config ``spec["config"]`` holds (its ``to_dict``); ``for_training``: dropout and jitter
+    noise set to zero (an export keeps them as the user gave them)."""
     from transformers import AutoConfig
     fields = {k: v for k, v in spec["config"].items() if k not in ("model_type", "transformers_version")}
     config = AutoConfig.for_model(spec["config"]["model_type"], **fields)
-    for name, value in list(vars(config).items()):
+    for name, value in list(vars(config).items()) if for_training else ():
         if any(word in name for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):
             setattr(config, name, 0.0)
     return config

@@ -18,6 +18,7 @@ import torch
 
 from kernels.contract.model_rules import HF
 from kernels.checkpoint.files import CheckpointMissingError
+from kernels.model.own_model import hf_config
 
 HF_CONFIG, HF_WEIGHTS = "config.json", "model.safetensors"
 
@@ -32,14 +33,12 @@ def write_hf_directory(model_spec: Mapping[str, Any], weights: Mapping[str, torc
                        out_dir: str | os.PathLike) -> Path:
     """Write ``weights`` (full tensors, the model's names) of the HF model ``model_spec`` names as a
     ``save_pretrained`` directory that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if model_spec.get("family") != HF:
         raise ValueError("format='hf' exports a model built from a Hugging Face config; this run trained "
                          f"a {model_spec.get('family') or 'lab.GPT'} model: export it to a .safetensors file")
-    fields = dict(model_spec["config"])
-    config = AutoConfig.for_model(fields.pop("model_type"), **{k: v for k, v in fields.items()
-                                                              if k != "transformers_version"})
+    config = hf_config(model_spec, for_training=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dict(weights), strict=False, assign=True)

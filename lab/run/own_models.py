@@ -25,7 +25,7 @@ import torch.nn as nn
 from kernels.contract.config_rules import ConfigError, Problem
 from kernels.contract.model_rules import HF, MODULE
 from kernels.model.family import OwnConfig
-from kernels.model.own_model import encode_factory
+from kernels.model.own_model import encode_factory, matches
 
 GPT2_TP_PLAN = {"transformer.h.*.attn.c_attn": "fused_qkv_colwise", "transformer.h.*.attn.c_proj": "conv1d_rowwise",
                 "transformer.h.*.mlp.c_fc": "conv1d_colwise", "transformer.h.*.mlp.c_proj": "conv1d_rowwise"}
@@ -160,10 +160,7 @@ def _hf_blocks(meta: nn.Module) -> str | None:
 
 def _matching(meta: nn.Module, pattern: str) -> list[nn.Module | nn.Parameter]:
     """The modules (or parameters: an MoE plan shards packed expert weights) a plan pattern names."""
-    want = pattern.split(".")
-    named = [*meta.named_modules(), *meta.named_parameters()]
-    return [m for name, m in named
-            if len(name.split(".")) == len(want) and all(w in ("*", p) for p, w in zip(name.split("."), want))]
+    return [m for name, m in [*meta.named_modules(), *meta.named_parameters()] if matches(name, pattern)]
 
 
 def _plan_problems(meta: nn.Module, tp_plan: dict[str, str] | None, blocks: str | None) -> list[Problem]:
