@@ -131,6 +131,13 @@ def _hf_llama(**changes):
                                                num_attention_heads=4, num_key_value_heads=2), **changes})
 
 
+def _hf_doge():
+    """Doge's own plan splits the attention's heads but leaves ``A``, one value per kv head, whole."""
+    import transformers
+    return transformers.DogeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+
+
 DIRECT_REFUSALS = {
     "module-tp-without-plan": (lambda pool: _own(pool, _mlp(), lab.Parallel(dp=2, tp=2)), "tp-plan"),
     "module-unknown-style": (lambda pool: _own(pool, _mlp(tp_plan={"layers.*.fc_in": "packed_colwise"}),
@@ -140,6 +147,11 @@ DIRECT_REFUSALS = {
     "module-sequence-parallel": (lambda pool: _own(pool, _mlp(tp_plan={"layers.*.fc_in": "colwise",
                                                                        "layers.*.fc_out": "rowwise"}),
                                                    lab.Parallel(dp=2, tp=2, sequence_parallel=True)), "tp-sp-model"),
+    "module-sequence-parallel-whole-linear": (lambda pool: _own(pool, _mlp(tp_plan={"layers.*.fc_out": "rowwise"},
+                                                                            blocks="layers"),
+                                                                lab.Parallel(dp=2, tp=2, sequence_parallel=True)),
+                                              "tp-sp-model"),
+    "hf-per-head-parameter-left-whole": (lambda pool: _own(pool, _hf_doge(), lab.Parallel(dp=2, tp=2)), "tp-style"),
     "module-pp-without-blocks": (lambda pool: _own(pool, _mlp(), lab.Parallel(pp=2, dp=2)), "pp-blocks"),
     "module-does-not-build": (lambda pool: _own(pool, lab.Model(lambda: 1 / 0), lab.Parallel(dp=4)), "model-build"),
     "module-not-picklable": (lambda pool: _own(pool, lab.Model(_unpicklable_factory()), lab.Parallel(dp=4)),
@@ -151,8 +163,6 @@ DIRECT_REFUSALS = {
     "llama-kv-heads-tp": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA), lab.Parallel(tp=4)), "tp-kv-heads"),
     "llama-ffn-tp": (lambda pool: lab.Experiment(pool, lab.Llama(**{**LLAMA, "kv_heads": 4, "ffn": 66}),
                                                  lab.Parallel(tp=4)), "tp-ffn"),
-    "llama-measure": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA), lab.Parallel(dp=4), measure=True),
-                      "measure-model"),
     "llama-tied-head": (lambda pool: lab.Experiment(pool, lab.Llama(**LLAMA, tied_embeddings=True),
                                                     lab.Parallel(dp=4)), "model-keys"),
     "llama-hidden-heads": (lambda pool: lab.Llama(**{**LLAMA, "heads": 3}), "heads-d-model"),

@@ -77,8 +77,9 @@ def test_hf_llama_on_every_layout_family_matches_one_process(cluster, layout):
 @pytest.mark.parametrize("layout", [
     dict(dp=4), dict(dp=4, zero=3), dict(dp=2, tp=2), dict(tp=4), dict(pp=2, dp=2, microbatches=2),
     dict(pp=2, tp=2, microbatches=2), dict(pp=2, dp=2, zero=3, microbatches=2),
-    dict(pp=2, dp=2, schedule="zbv", microbatches=4),
-], ids=["ddp4", "zero3", "tp2-dp2", "tp4", "pp2-dp2", "pp2-tp2", "pp2-fsdp2", "pp2-dp2-zbv"])
+    dict(pp=2, dp=2, schedule="zbv", microbatches=4), dict(dp=2, tp=2, sequence_parallel=True),
+    dict(pp=2, tp=2, sequence_parallel=True, microbatches=2),
+], ids=["ddp4", "zero3", "tp2-dp2", "tp4", "pp2-dp2", "pp2-tp2", "pp2-fsdp2", "pp2-dp2-zbv", "tp2-dp2-sp", "pp2-tp2-sp"])
 def test_gpt2_with_the_labs_plan_matches_one_process(cluster, layout):
     """GPT-2 ties its head to the token embedding: a pipeline's first and last stage each hold a copy, kept
     equal by summing their gradients (kernels.parallel.tied_stages)."""

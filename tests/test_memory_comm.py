@@ -22,7 +22,8 @@ import functools
 import pytest
 
 from lab.measure.bench import bench_collectives
-from lab.measure.memory_and_comm import measure_layout, padded_rows, shard_rows, zero1_partition
+from lab.measure.memory_and_comm import measure_layout, zero1_partition
+from lab.measure.param_shards import padded_rows, shard_rows
 from lab.planning.plan_math import busbw_factor
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}

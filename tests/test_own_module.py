@@ -89,8 +89,11 @@ def test_a_module_under_tp_and_pp_matches_one_process(cluster):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp=4), dict(dp=4, zero=1), dict(dp=4, zero=3), dict(dp=4, fsdp_strategy="hybrid"),
                                     dict(dp=2, tp=2), dict(pp=2, dp=2, microbatches=2),
-                                    dict(pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4)],
-                         ids=["ddp4", "zero1", "zero3", "hsdp", "tp2-dp2", "pp2-dp2", "pp2-dp2-interleaved"])
+                                    dict(pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4),
+                                    dict(dp=2, tp=2, sequence_parallel=True),
+                                    dict(pp=2, tp=2, sequence_parallel=True, microbatches=2)],
+                         ids=["ddp4", "zero1", "zero3", "hsdp", "tp2-dp2", "pp2-dp2", "pp2-dp2-interleaved", "tp2-dp2-sp",
+                              "pp2-tp2-sp"])
 def test_a_module_on_every_layout_family_matches_one_process(cluster, layout):
     _parity(cluster, layout)
 

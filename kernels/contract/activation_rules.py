@@ -53,6 +53,8 @@ def why_not(record: dict[str, Any]) -> str:
     dims = record.get("dims", {})
     if "model" not in record or "micro_batch" not in record:
         return "the record holds no model sizes or micro-batch size"
+    if record["model"].get("family"):
+        return f"the rule counts the lab GPT's tensors; a {record['model']['family']} model's parts are measured only"
     if dims.get("tp", 1) > 1:
         return "tensor parallel shards the parts; no rule here"
     if dims.get("pp", 1) > 1:

@@ -6,9 +6,9 @@ builds it, the driver puts in the dict what the layout needs to know, read once 
 meta device: ``layers`` (the blocks a pipeline cuts), ``tp_sizes`` (what tensor parallelism splits),
 ``tp_plan`` (module pattern -> style, or None), ``pp_plan`` (which top-level modules go before and after
 the blocks, or None), ``tied`` (the head reuses the token embedding), and the ``vocab`` and training
-window ``seq_len`` the data needs, and ``sp``: a block's norms and the attention and MLP to gather for
-under sequence parallelism (``kernels.model.own_sequence_parallel``), or None where the model is not built
-for it. The ranks check the same
+window ``seq_len`` the data needs, and ``sp``: what sequence parallelism does with the model's modules
+(``kernels.model.own_sequence_parallel.sequence_parallel_layout``), or why it cannot run on a sequence
+shard (``why_not``), or None without a plan. The ranks check the same
 dict again, so a run started from a saved config meets the same rules.
 
 Run alone (prints the problems of a plan-less module under TP2×PP2)::
@@ -58,7 +58,7 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
 
     - [tp-plan]: tp > 1 needs a tensor-parallel plan (an HF config's own, the lab's for GPT-2, or ``tp_plan=``);
     - [tp-style]: every style in the plan is one the lab applies (``TP_STYLES``), named when it is not;
-    - [tp-sp-model]: sequence parallel needs an HF decoder of norms, attention and MLP (``sp``);
+    - [tp-sp-model]: sequence parallel needs blocks of norms and planned regions, then norms and a head (``sp``);
     - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan).
     """
     out: list[Problem] = []
@@ -73,10 +73,11 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
             if unknown:
                 out.append(("tp-style", f"the plan of {name} uses styles the lab does not apply: "
                             f"{', '.join(unknown)}; applied: {list(TP_STYLES)}"))
-        if sequence_parallel and not model.get("sp"):
-            out.append(("tp-sp-model", f"sequence_parallel needs blocks of norms, attention and MLP whose outputs "
-                        f"the plan splits row-wise, and an LM head the plan splits column-wise; {name} is not "
-                        "built so (or is a lab.Model): use sequence_parallel=False"))
+        why_not = (model.get("sp") or {"why_not": "no plan"}).get("why_not")
+        if sequence_parallel and why_not:
+            out.append(("tp-sp-model", f"sequence_parallel runs a block's norms on a sequence shard and gathers it "
+                        f"for what the plan splits column- then row-wise; {name} cannot: {why_not}. "
+                        "Use sequence_parallel=False"))
     if pp > 1 and not model.get("pp_plan"):
         out.append(("pp-blocks", f"pp={pp} needs the model's block list, and {name} names none: pass "
                     "blocks='layers' (the nn.ModuleList; the modules before it run on the first stage, "

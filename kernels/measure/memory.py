@@ -52,14 +52,18 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from kernels.measure.activation_parts import PartTracker
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor, else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's part of ``t``: the local shard of a DTensor, else ``t`` itself. A collective's result still in
+    flight (``AsyncCollectiveTensor``, a wrapper without storage of its own) is waited for: its storage is the
+    one counted."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _storage_key(t: torch.Tensor) -> int:

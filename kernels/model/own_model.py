@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.contract import layout_rules
 from kernels.contract.model_rules import HF
-from kernels.model.own_sequence_parallel import sequence_parallel_plans, shard_sequence
+from kernels.model.own_sequence_parallel import sequence_parallel_plans, shard_sequence, whole_sequence
 from kernels.model.own_tp import parallel_style
 
 
@@ -96,14 +96,15 @@ class OwnModel(nn.Module):
         outer = {k: parallel_style(v, loss_parallel) for k, v in plan.items()
                  if not (prefix and k.startswith(prefix))}
         if sequence_parallel:
-            block_plan, outer = sequence_parallel_plans(self.spec, block_plan, outer, loss_parallel)
+            block_plan = sequence_parallel_plans(self.spec, block_plan)
         return block_plan, {k: v for k, v in outer.items() if _holds_parameters(self, k)}
 
     def after_tp(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         """What sharding by ``parallelize_module`` undoes or leaves to the model: a head tied to the embedding
         gets the embedding's (now sharded) weight again, and an attention that splits one fused q/k/v
         output (GPT-2's ``split_size``) splits its local third. Under sequence parallelism the first stage
-        cuts its first block's input to this rank's positions (``kernels.model.own_sequence_parallel``)."""
+        cuts its first block's input to this rank's positions, and the last stage gathers its last block's
+        output (``kernels.model.own_sequence_parallel``)."""
         tp = tp_mesh.size()
         if sequence_parallel:
             self.sequence_shards = tp
@@ -113,6 +114,10 @@ class OwnModel(nn.Module):
                     lambda mod, args, kwargs: ((shard_sequence(args[0], tp_mesh), *args[1:]), kwargs) if args
                     else (args, {**kwargs, "hidden_states": shard_sequence(kwargs["hidden_states"], tp_mesh)}),
                     with_kwargs=True)
+            if self.has_last:
+                last = list(self.blocks.values())[-1]
+                last.register_forward_hook(lambda mod, args, out: whole_sequence(out, tp_mesh) if torch.is_tensor(out)
+                                           else (whole_sequence(out[0], tp_mesh), *out[1:]))
         if self.spec.get("tied") and self.has_first and self.has_last:
             self.inner.get_output_embeddings().weight = self.inner.get_input_embeddings().weight
         fused = [k.rpartition(".")[0] for k, v in (self.spec.get("tp_plan") or {}).items() if v == "fused_qkv_colwise"]
@@ -141,9 +146,12 @@ class OwnModel(nn.Module):
             if self.has_last:
                 return self.inner(input_ids=x, use_cache=False).logits
             # Not the last stage: the base model (its final norm is gone) gives the hidden state, and none of
-            # what the LM class does to logits (soft-capping, scaling) applies to it. A view (GPT-2 reshapes its
-            # output) is copied: split-backward schedules detach a stage's output in place, which a view refuses.
+            # what the LM class does to logits (soft-capping, scaling) applies to it. GPT-2 views its output as
+            # (-1, T, C), which makes (B/tp, T, C) of a sequence shard: it is viewed back as (B, T/tp, C). A view
+            # is copied: split-backward schedules detach a stage's output in place, which a view refuses.
             hidden = self.inner.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+            if hidden.shape[0] != x.shape[0]:
+                hidden = hidden.view(x.shape[0], -1, hidden.shape[-1])
             return hidden.clone() if hidden._is_view() else hidden
         finally:
             self.received[0] = None

@@ -16,6 +16,8 @@ Run alone: through the pipeline entry point (the HF GPT-2 ties its head)::
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -38,6 +40,11 @@ class TiedGrads:
         shapes: list = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(shapes, tuple(_local(self.params[0]).shape) if self.params else None, group=pp_group)
         self.shape = next(s for s in shapes if s is not None)
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes each pipeline rank all-reduces per step (fp32, this rank's shard of the tied tensor)."""
+        return 4 * math.prod(self.shape)
 
     def head_copies(self, stages: list[nn.Module]) -> set[int]:
         """The ids of the last stage's copies: a norm over the pipeline counts the tied tensor once."""

@@ -102,10 +102,10 @@ class RankBuild:
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
         cfg = model_config(run)
-        tied = TiedGrads(self.pipe.modules, pp_group(mesh), self.device) \
+        self.tied = TiedGrads(self.pipe.modules, pp_group(mesh), self.device) \
             if isinstance(cfg, OwnConfig) and cfg.spec.get("tied") else None
         self.step_fn = PipelineStep(self.pipe, self.params_module, dp_group(mesh) if by_hand else None,
-                                    pp_group(mesh), self.device, tied)
+                                    pp_group(mesh), self.device, self.tied)
 
     def batches(self, first: int, steps: int) -> BatchStream:
         """This rank's share of the global batches ``first`` .. ``first + steps - 1``."""
@@ -162,13 +162,14 @@ class RankBuild:
         return measure_record(layout, self.dims, self.device, probe, strategy=self.strategy.kind, loss=loss,
                               optimizer=self.run.optimizer,
                               num_stages=self.pipe.num_stages, microbatches=self.pipe.num_microbatches,
-                              micro_batch=self.run.global_batch // (self.dims.dp * self.pipe.num_microbatches))
+                              micro_batch=self.run.global_batch // (self.dims.dp * self.pipe.num_microbatches),
+                              tied_bytes=self.tied.payload_bytes if self.tied else 0)
 
     def _activation_sizes(self) -> dict[str, Any]:
         """What ``kernels.contract.activation_rules`` needs to predict the measured activations by part: the model's sizes,
         the micro-batch and the flags that change what is saved."""
         run, s = self.run, self.strategy
-        return {"model": dataclasses.asdict(model_config(run)),
+        return {"model": dict(run.model),
                 "micro_batch": run.global_batch // (self.dims.dp * s.microbatches),
                 "activation_checkpointing": s.activation_checkpointing, "mixed_precision": s.mixed_precision,
                 "sequence_parallel": s.sequence_parallel}

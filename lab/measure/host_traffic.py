@@ -10,7 +10,7 @@ receiving rank is on another host, *intra-host* otherwise.
   pool's rank → host map;
 - planned: the groups of the (pp, dp, tp) mesh in the run's rank order
   (``lab.planning.plan_mesh.axis_groups``) and the planner's
-  payloads (``lab.measure.memory_and_comm.predicted_comm``), with pipeline sends split into the
+  payloads (``lab.measure.comm_prediction.predicted_comm``), with pipeline sends split into the
   forward ones (to the next stage) and backward ones (to the one before), on the same
   rank → host map (``planned_inter``).
 
@@ -52,7 +52,7 @@ def planned_inter(row: dict[str, Any], record: dict[str, Any], predicted: float 
                   hosts: Sequence[str], order: Sequence[str] = MESH_AXES) -> float | None:
     """The planner's inter-host wire bytes for a measured row's kind of traffic on this rank.
 
-    ``predicted`` is the planner's payload for the row (``lab.measure.memory_and_comm._predicted``);
+    ``predicted`` is the planner's payload for the row (``lab.measure.comm_prediction._predicted``);
     ``pp_sends`` its forward and backward stage-boundary payloads ({"fwd": .., "bwd": ..}).
     None where the planner gives no payload, for receives (their bytes are the peer's
     sends) and under HSDP with shards of more than one rank (its 2D dp sub-mesh is not one ring).

@@ -24,9 +24,10 @@ What is counted, per iteration with M micro-batches per dp rank:
   A model whose q/k/v are separate column-parallel Linears (the lab's GPT,
   ``ModelSpec.fused_qkv=False``) all-reduces the attention input's gradient once per
   projection: 4 backward all-reduces per block instead of 2 (not under SP, where one
-  all-gather feeds all three and its reduce-scatter comes once).
-- tp axis outside the blocks, for a per-tensor model (``Work.embed``/``Work.head``, the
-  lab's TP plan): the row-parallel token and position embeddings all-reduce their
+  all-gather feeds all three and its reduce-scatter comes once); separate gate and up
+  projections of a gated MLP (Llama's) add one more.
+- tp axis outside the blocks, for a model whose plan splits its ends (``Work.embed``/``Work.head``:
+  the lab's GPT and Llama, HF Llama): the row-parallel token and position embeddings all-reduce their
   outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input
   gradient b·s·h backward and all-gathers the logits b·s·V forward. Under
   loss_parallel the logits stay sharded on the vocab: torch's sharded cross-entropy
@@ -89,6 +90,8 @@ class Work:
     head: bool = False  # holds the TP-sharded LM head (per-tensor models)
     vocab: int | None = None
     qkv_allreduces: int = 1  # backward all-reduces of the attention input: 1 fused, 3 separate q/k/v
+    mlp_allreduces: int = 1  # backward all-reduces of the MLP input: 2 for separate gate and up projections
+    learned_pos: bool = True  # a row-parallel position table beside the token embedding
     stage_ids: tuple[int, ...] = ()  # this pipeline rank's stages; () = a middle stage
     num_stages: int = 1
 
@@ -137,7 +140,7 @@ def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
         return []
     link = axis_link(lay, "tp", gpus_per_node)
     payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
-    per_block = {"fwd": 2, "bwd": 2 if lay.sequence_parallel else 1 + w.qkv_allreduces, "recompute": 2}
+    per_block = {"fwd": 2, "bwd": 2 if lay.sequence_parallel else w.mlp_allreduces + w.qkv_allreduces, "recompute": 2}
     phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing else [])
     out = []
     for phase in phases:
@@ -158,7 +161,8 @@ def _tp_outer_entries(lay: Layout, w: Work, link: str, payload: float) -> list[C
     reduce = "reduce_scatter" if lay.sequence_parallel else "all_reduce"
     if w.embed:
         out.append(entry("tp", reduce, "fwd", link, n, m, payload))  # token embedding (b, s, h)
-        out.append(entry("tp", reduce, "fwd", link, n, m, payload / w.micro_batch))  # positions (s, h)
+        if w.learned_pos:
+            out.append(entry("tp", reduce, "fwd", link, n, m, payload / w.micro_batch))  # positions (s, h)
     if w.head and w.vocab is not None:
         if lay.sequence_parallel:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
             out.append(entry("tp", "all_gather", "fwd", link, n, m, payload))

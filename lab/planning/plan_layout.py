@@ -125,13 +125,14 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
     gb, mb, m = resolve_batch(lay, global_batch, micro_batch, m_default)
     seq = seq_len or spec.seq_len
     base = Work(0.0, dtype_bytes(dtype), mb, m, seq, spec.hidden, None, vocab=spec.vocab,
-                qkv_allreduces=1 if spec.fused_qkv else 3)
+                qkv_allreduces=1 if spec.fused_qkv else 3, mlp_allreduces=2 if spec.gated_mlp and not spec.fused_qkv else 1,
+                learned_pos=spec.learned_pos)
     stages = stage_plans(spec, lay, base, gpus_per_node, optimizer_bytes(optimizer, dtype), gpu_mem_gb,
                          activations_gb)
     busiest = max(stages, key=lambda st: st.memory.total)  # the first on ties
     work = dataclasses.replace(base, psi_local=busiest.params, layers_on_rank=busiest.layers,
-                               embed=spec.per_tensor and 0 in busiest.stage_ids,
-                               head=spec.per_tensor and lay.num_stages - 1 in busiest.stage_ids)
+                               embed=spec.sharded_ends and 0 in busiest.stage_ids,
+                               head=spec.sharded_ends and lay.num_stages - 1 in busiest.stage_ids)
     mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
     bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
     return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,

@@ -50,6 +50,9 @@ class ModelSpec:
     # DTensor input (from_local), so TP all-reduces that gradient three times.
     fused_qkv: bool = True
     per_tensor: bool = False  # size shards tensor by tensor (gpt_tensors), as the lab's GPT is built
+    # The TP plan splits the token embedding by rows and the head by columns (the lab's GPT and Llama, and
+    # the HF decoders whose plans say so), so their collectives are counted (plan_comm._tp_outer_entries).
+    sharded_ends: bool = False
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2), where ``bias`` is off
 
     @classmethod
@@ -65,7 +68,8 @@ class ModelSpec:
         spec = cls(name or f"lab GPT L{get('layers', 4)} d{d_model}", 0.0, int(get("layers", 4)), d_model,
                    int(get("heads", 4)), None, int(d_ff) if d_ff is not None else 4 * d_model,
                    int(get("vocab", 256)), seq_len=int(get("seq_len", 32)), tied_embeddings=False,
-                   bias=bool(get("bias", True)), fused_qkv=False, per_tensor=True)
+                   bias=bool(get("bias", True)), fused_qkv=False, per_tensor=True,
+                   sharded_ends=True)
         return dataclasses.replace(spec, params=spec.shape_params)
 
     @property

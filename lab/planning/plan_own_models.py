@@ -22,6 +22,8 @@ from lab.planning.plan_models import ModelSpec, get_model
 # Decoders whose MLP is two matrices with a GELU and whose positions are a learned table (GPT-2's lineage).
 _GPT_STYLE = {"gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt", "codegen", "gptj"}
 _QKV_BIAS = {"qwen2", "qwen2_moe"}  # biases on q, k and v, none elsewhere
+# The HF types whose every tensor the shape formula counts, so the count (and the per-stage plan) is the model's.
+COUNTED_TYPES = frozenset({"llama", "mistral", "qwen2", "gpt2"})
 
 
 def is_config(model: Any) -> bool:
@@ -36,7 +38,7 @@ def spec_from_config(model: Any, name: str | None = None) -> ModelSpec:
         spec = ModelSpec(name or f"lab Llama L{model.layers} h{model.hidden}", 0.0, model.layers, model.hidden,
                          model.heads, model.kv_heads, model.ffn, model.vocab, seq_len=model.seq_len,
                          gated_mlp=model.gated_mlp, tied_embeddings=model.tied_embeddings,
-                         learned_pos=model.learned_pos, bias=model.bias, fused_qkv=False)
+                         learned_pos=model.learned_pos, bias=model.bias, fused_qkv=False, sharded_ends=True)
     else:
         kind = getattr(model, "model_type", "")
         hidden, heads = int(model.hidden_size), int(model.num_attention_heads)
@@ -48,7 +50,7 @@ def spec_from_config(model: Any, name: str | None = None) -> ModelSpec:
                          int(model.vocab_size), seq_len=int(positions), gated_mlp=not gpt_style,
                          tied_embeddings=bool(getattr(model, "tie_word_embeddings", False)), learned_pos=gpt_style,
                          bias=gpt_style or bool(getattr(model, "attention_bias", False)), fused_qkv=gpt_style,
-                         qkv_bias=kind in _QKV_BIAS)
+                         qkv_bias=kind in _QKV_BIAS, sharded_ends=not gpt_style)
     return dataclasses.replace(spec, params=spec.shape_params)
 
 

@@ -90,7 +90,7 @@ def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k:
         ids = stage_ids(lay.schedule, r, lay.pp, lay.stages_per_rank)
         psi, layers = stage_params(spec, lay, ids)
         w = dataclasses.replace(base, psi_local=psi, layers_on_rank=layers, stage_ids=ids, num_stages=n_stages,
-                                embed=spec.per_tensor and 0 in ids, head=spec.per_tensor and n_stages - 1 in ids)
+                                embed=spec.sharded_ends and 0 in ids, head=spec.sharded_ends and n_stages - 1 in ids)
         mem = stage_memory(lay, w, k, gpu_mem_gb, activations_gb, stage=r)
         out.append(StagePlan(r, ids, layers, psi, mem, all_entries(lay, w, gpus_per_node)))
     return tuple(out)

@@ -118,7 +118,7 @@ class Experiment:
         if self.model.seed not in (0, self.seed):  # the model's seed would be silently replaced
             out.append(("model-seed", f"the model's seed={self.model.seed} is not used: the Experiment's seed="
                         f"{self.seed!r} fixes the weights and the data; pass seed={self.model.seed} to the Experiment"))
-        out += _llama_problems(self.model, self.measure)
+        out += _llama_problems(self.model)
         try:  # the rank config's own rules (kernels.contract.config_rules), exactly as the ranks would apply them
             self.run_config()
         except ConfigError as error:
@@ -235,23 +235,15 @@ def _model_config(model: Any) -> tuple[Any, list[Problem]]:
         return model, error.problems
 
 
-def _llama_problems(model: Any, measure: Any) -> list[Problem]:
+def _llama_problems(model: Any) -> list[Problem]:
     """A lab.Llama trains as Llama 3 (SwiGLU, untied head, RoPE, no biases): the GPT-style switches of
-    ``kernels.model.llama.LlamaConfig`` size the planner's presets only. Its activations are not predicted,
-    nor are those of a model the user brought."""
-    if isinstance(model, OwnConfig) and measure is True:
-        return [("measure-model", "measure=True predicts activations part by part for lab.GPT only; "
-                 "train this model without it")]
+    ``kernels.model.llama.LlamaConfig`` size the planner's presets only."""
     if not isinstance(model, LlamaConfig):
         return []
-    out = []
     if (model.gated_mlp, model.tied_embeddings, model.learned_pos, model.bias) != (True, False, False, False):
-        out.append(("model-keys", "lab.Llama trains as Llama 3: gated_mlp=True, tied_embeddings=False, "
-                    "learned_pos=False, bias=False (the other switches size the planner's GPT-style presets)"))
-    if measure is True:
-        out.append(("measure-model", "measure=True predicts activations part by part for lab.GPT only; "
-                    "train a lab.Llama without it"))
-    return out
+        return [("model-keys", "lab.Llama trains as Llama 3: gated_mlp=True, tied_embeddings=False, "
+                 "learned_pos=False, bias=False (the other switches size the planner's GPT-style presets)")]
+    return []
 
 
 def _ranks_per_host(cluster: Any) -> list[int] | None:

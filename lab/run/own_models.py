@@ -26,6 +26,7 @@ from kernels.contract.config_rules import ConfigError, Problem
 from kernels.contract.model_rules import HF, MODULE
 from kernels.model.family import OwnConfig
 from kernels.model.own_model import encode_factory, matches
+from kernels.model.own_sequence_parallel import sequence_parallel_layout
 
 GPT2_TP_PLAN = {"transformer.h.*.attn.c_attn": "fused_qkv_colwise", "transformer.h.*.attn.c_proj": "conv1d_rowwise",
                 "transformer.h.*.mlp.c_fc": "conv1d_colwise", "transformer.h.*.mlp.c_proj": "conv1d_rowwise"}
@@ -80,7 +81,7 @@ def own_config(model: Any) -> OwnConfig:
               "tp_plan": tp_plan, "pp_plan": _pp_plan(meta, blocks, hf) if blocks else None,
               "tp_sizes": _tp_sizes(meta, tp_plan, hf), "tied": _tied(meta),
               "vocab": spec.vocab or _vocab(meta, hf), "seq_len": _seq_len(spec, meta, hf),
-              "sp": _sequence_parallel_layout(meta, blocks, tp_plan) if hf and blocks and tp_plan else None}
+              "sp": sequence_parallel_layout(meta, tp_plan, blocks) if tp_plan else None}
     if hf:
         fields["config"] = spec.factory.to_dict()
     else:
@@ -119,12 +120,33 @@ def _tp_plan(spec: Model, meta: nn.Module, hf: bool) -> dict[str, str] | None:
     if getattr(meta.config, "model_type", None) == "gpt2":
         return dict(GPT2_TP_PLAN)
     plan = dict(getattr(meta, "_tp_plan", None) or {})
-    # Some models list their base model's plan unprefixed: each entry as it names a module of the whole model.
     # Some models list their base model's plan unprefixed; and a plan lists every module its model type may
     # have, so entries for what this config does not build (dense MLPs of an all-MoE config) are left out.
     prefix = f"{meta.base_model_prefix}."
     named = {(k if _matching(meta, k) else prefix + k): v for k, v in plan.items()}
-    return {k: _head_norm_checked(meta, k, v) for k, v in named.items() if _matching(meta, k)} or None
+    checked = {k: _head_norm_checked(meta, k, v) for k, v in named.items() if _matching(meta, k)}
+    return {**checked, **_whole_head_parameters(meta, checked)} or None
+
+
+def _whole_head_parameters(meta: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """A module whose children the plan splits column-wise (an attention, by heads) may hold a parameter of one
+    value per head (doge's ``A``, attention sinks) that the plan leaves whole: the split heads would then meet
+    all heads' values, and the forward fails on the ranks. Such a parameter is named here, as a style the lab
+    does not apply, so [tp-style] refuses the plan before launch."""
+    config = meta.config.get_text_config()
+    heads = {_config_int(config, "num_attention_heads"), _config_int(config, "num_key_value_heads")} - {None, 1}
+    out = {}
+    for parent in {k.rpartition(".")[0] for k, v in plan.items() if "colwise" in v and "." in k}:
+        for name, param in _named_parameters_of(meta, parent):
+            if param.dim() == 1 and param.numel() in heads and f"{parent}.{name}" not in plan:
+                out[f"{parent}.{name}"] = "none: one value per head, left whole while the plan splits the heads"
+    return out
+
+
+def _named_parameters_of(meta: nn.Module, pattern: str) -> list[tuple[str, nn.Parameter]]:
+    """The parameters held directly by the first module a plan pattern names."""
+    module = next((m for m in _matching(meta, pattern) if isinstance(m, nn.Module)), None)
+    return list(module.named_parameters(recurse=False)) if module is not None else []
 
 
 def _head_norm_checked(meta: nn.Module, pattern: str, style: str) -> str:
@@ -207,28 +229,6 @@ def _pp_plan(meta: nn.Module, blocks: str, hf: bool) -> dict[str, Any]:
             (first if names.index(name) < names.index(part) else last).append(prefix + name)
         module, prefix = module._modules[part], f"{prefix}{part}."
     return {"first": first, "blocks": blocks, "last": last}
-
-
-def _sequence_parallel_layout(meta: nn.Module, blocks: str, tp_plan: dict[str, str]) -> dict[str, list[str]] | None:
-    """A block's children by what sequence parallelism does with them: norms run on the sequence shard, the
-    attention and MLP gather it (each must end in a row-parallel projection, which scatters it again); and
-    the final norms after the blocks. None when a block holds anything else, or the head is not column-split."""
-    first = next(iter(meta.get_submodule(blocks).children()))
-    norms, gather = [], []
-    for name, child in first.named_children():
-        inside = {k.split(f"{blocks}.*.{name}.", 1)[1]: v for k, v in tp_plan.items() if k.startswith(f"{blocks}.*.{name}.")}
-        if type(child).__name__.endswith("Norm"):
-            norms.append(name)
-        elif "colwise" in inside.values() and "rowwise" in inside.values():
-            gather.append(name)
-        elif any(True for _ in child.parameters()):
-            return None
-    heads = [k for k, v in tp_plan.items() if v == "colwise_gather_output"]
-    if not gather or not heads:
-        return None
-    base = meta.get_submodule(meta.base_model_prefix)
-    final = [f"{meta.base_model_prefix}.{n}" for n, c in base.named_children() if type(c).__name__.endswith("Norm")]
-    return {"norms": norms, "gather": gather, "final_norms": final}
 
 
 def _tp_sizes(meta: nn.Module, tp_plan: dict[str, str] | None, hf: bool) -> dict[str, int]:

@@ -49,7 +49,6 @@ RULES = {
     "seed": "seeds must be ints in [0, 2**64), the range torch.Generator.manual_seed takes",
     "model-keys": "the model's fields are GPTConfig's (layers, d_model, heads, vocab, seq_len, d_ff, bias) or, for "
                   "lab.Llama, Llama 3's (layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rope_theta, norm_eps)",
-    "measure-model": "measure=True predicts activations part by part for lab.GPT only",
     "heads-d-model": "d_model (a Llama's hidden) must be divisible by heads, and a Llama's heads by kv_heads",
     "data-vocab": "the data's token ids must fit the model's vocab (the synthetic chain needs vocab >= 4: every "
                   "token has 4 distinct successors; bytes need the largest byte; modular addition mod p needs p + 2)",
@@ -65,7 +64,7 @@ RULES = {
     "tp-plan": "tp > 1 needs a tensor-parallel plan whose every entry names a module (or parameter) of the model",
     "tp-style": "every style in the plan is one the lab applies (kernels.contract.model_rules.TP_STYLES)",
     "tp-width": "tp must divide each width the tensor-parallel plan splits",
-    "tp-sp-model": "sequence_parallel needs blocks of norms, attention and MLP (lab.GPT, lab.Llama, HF decoders)",
+    "tp-sp-model": "sequence_parallel needs blocks of norms and column- then row-split regions, then norms and a head",
     "pp-blocks": "pp > 1 needs the model's block list: blocks= names a non-empty nn.ModuleList",
     "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
     "synthetic-cost": "synthetic_forward_s is a finite number of seconds > 0, and needs trace=True",

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lab.measure import timeline as _timeline
-from lab.measure.memory_and_comm import comm_records, memory_records
+from lab.measure.comm_prediction import comm_records
+from lab.measure.memory_and_comm import memory_records
 
 
 class NotRecordedError(ValueError):

@@ -1,0 +1,128 @@
+"""Communication per step predicted beside what the ranks measured (``lab.measure.memory_and_comm``'s other half).
+
+Communication volume (docs/design.md#communication-volume), as payload bytes per step: DDP all-reduce = the
+gradient bytes (DDP all-reduces flat buckets of all gradients); ZeRO-1 adds one broadcast of every
+parameter from its owner; FSDP all-gathers the padded parameters once in forward and again in backward
+under ZeRO-3, and reduce-scatters the padded gradients once; a head tied to the embedding under a
+pipeline adds one all-reduce of its gradient over the pipeline group. TP and PP traffic come from the
+planner's exact per-stage account (``lab.plan(...).stages[pp_rank].comm``) for the models the planner
+sizes: the lab's GPT and Llama, and Hugging Face configs of the types it counts (``planned_model``); a
+``lab.Model``'s tp and pp rows are measured only. Wire bytes per rank = payload × the busbw factor, and
+busbw = algbw × the same factor.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kernels.contract.measure_records import CommRecord
+from kernels.contract.model_rules import HF
+from kernels.contract.run_config import RunConfig
+from kernels.model.family import LLAMA, model_config
+from kernels.model.own_model import hf_config
+from lab.measure import host_traffic
+from lab.measure.param_shards import optimizer_name, param_table, shard_group, zero_stage
+from lab.planning.plan_math import busbw_factor
+from lab.planning.plan_own_models import COUNTED_TYPES
+from lab.planning.planner import plan
+
+
+def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float]:
+    """Analytic payload bytes per step by op (docs/design.md#communication-volume) for this rank.
+
+    Keys are op names for the dp axis, "tp_<op>" for the tp axis (DTensor "funcol" rows) and
+    "send" for stage-boundary p2p; tp and pp come from the planner's StagePlan for this rank
+    (``planned_stage``; None for a model the planner cannot size, whose tp and pp rows go unpredicted).
+    """
+    table, zero = param_table(record), zero_stage(record)
+    grads = sum(p["whole"] * p["elem"] for p in table)
+    out: dict[str, float] = {}
+    if record["strategy"] in ("ddp", "zero1", "allreduce") and record["dims"]["dp"] > 1:
+        out["all_reduce"] = grads  # DDP's flat buckets, or (pp) one all_reduce per gradient
+    if record.get("hybrid") and record["dims"].get("dp_replicate") == record["dims"]["dp"] > 1:
+        out["all_reduce"] = grads  # FSDP2 replicating only (TP with dp > 1, no ZeRO): one gradient all-reduce
+    if record.get("tied_bytes"):  # a head tied to the embedding: its two copies' gradients summed over the pipeline
+        out["all_reduce"] = out.get("all_reduce", 0.0) + record["tied_bytes"]
+    if zero == 1:
+        out["broadcast"] = grads  # every parameter, from its owner, after the step
+    if record["strategy"] == "fsdp":
+        padded = sum(p["padded"] * p["elem"] for p in table) * shard_group(record)
+        # Without pp, gradient accumulation gathers again for every micro-batch (and reduce-scatters once).
+        m = int(record.get("microbatches", 1)) if record["dims"]["pp"] == 1 else 1
+        out["all_gather"] = padded * (2 if zero == 3 else 1) * m  # forward, and backward under ZeRO-3
+        out["reduce_scatter"] = padded
+    for e in stage.comm if stage is not None else []:
+        if e.axis in ("tp", "pp"):
+            key = "send" if e.axis == "pp" else f"tp_{e.op}"
+            out[key] = out.get(key, 0.0) + e.total_payload
+    return out
+
+
+def planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
+    """The planner's StagePlan for this rank's pipeline rank (fp32, the run's optimizer, batch and layout); None
+    without tp or pp, or for a model the planner does not size (``planned_model``)."""
+    dims, run = record["dims"], RunConfig.from_options(cfg)
+    model = planned_model(run)
+    if (dims["tp"] == 1 and dims["pp"] == 1) or model is None:
+        return None
+    s = run.strategy
+    parallel = {**dims, "zero": int(record["zero"]), "schedule": s.schedule or "1f1b",
+                "microbatches": record.get("microbatches", 1), "sequence_parallel": s.sequence_parallel,
+                "loss_parallel": s.loss_parallel}
+    if s.pp > 1:
+        parallel["stages_per_rank"] = s.stages_per_rank
+    p = plan(model, gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel, global_batch=run.global_batch,
+             seq_len=run.model.get("seq_len"), dtype="fp32", optimizer=optimizer_name(record))
+    return p.stages[record["coords"]["pp"]]
+
+
+def planned_model(run: RunConfig) -> Any:
+    """What the planner sizes for a run's model: a GPT's fields as they are, a ``lab.Llama``'s config, an HF
+    config of a type whose tensors the planner counts (``plan_own_models.COUNTED_TYPES``); None otherwise."""
+    family = run.model.get("family")
+    if family is None:
+        return run.model
+    if family == LLAMA:
+        return model_config(run)
+    if family == HF and run.model["config"].get("model_type") in COUNTED_TYPES:
+        return hf_config(run.model, for_training=False)
+    return None
+
+
+def _predicted(pred: dict[str, float], row: dict[str, Any]) -> float | None:
+    """The analytic volume for a row: dp-axis ops are "dist" rows, TP's are "funcol" rows."""
+    if row["source"] == "funcol":
+        return pred.get(f"tp_{row['op']}")
+    return pred.get(row["op"])
+
+
+def _pp_sends(stage: Any) -> dict[str, float]:
+    """The planner's stage-boundary send payloads of this rank by phase ("fwd", "bwd")."""
+    out: dict[str, float] = {}
+    for e in stage.comm if stage is not None else []:
+        if e.axis == "pp":
+            out[e.phase] = out.get(e.phase, 0.0) + e.total_payload
+    return out
+
+
+def comm_records(record: dict[str, Any], cfg: dict[str, Any], hosts: list[str] | None = None) -> list[CommRecord]:
+    """One rank's per-step collectives with wire bytes, algbw, busbw and the analytic volume.
+
+    With ``hosts`` (the host of each rank, by rank), each record also splits its wire bytes
+    into intra- and inter-host traffic, beside the planner's inter-host bytes (``lab.measure.host_traffic``).
+    """
+    stage = planned_stage(record, cfg)  # the planner once per rank record
+    pred, sends, out = predicted_comm(record, stage), _pp_sends(stage), []
+    order = RunConfig.from_options(cfg).strategy.mesh_order  # read (and checked) once, not per collective
+    for row in record["comm"]:
+        predicted = _predicted(pred, row)
+        both = host_traffic.split(row, record["rank"], hosts) if hosts else None
+        planned = host_traffic.planned_inter(row, record, predicted, sends, hosts, order) if hosts else None
+        f = busbw_factor(row["op"], row["group_size"]) if row["op"] != "all_to_all" else 1.0
+        algbw = row["payload_bytes"] / row["seconds"] if row["seconds"] > 0 else 0.0
+        out.append(CommRecord(rank=record["rank"], op=row["op"], group_size=row["group_size"],
+                              count=row["count"], payload_bytes=row["payload_bytes"],
+                              wire_bytes=row["payload_bytes"] * f, seconds=row["seconds"], algbw=algbw,
+                              busbw=algbw * f, predicted_payload_bytes=predicted, source=row["source"],
+                              intra_bytes=both[0] if both else None, inter_bytes=both[1] if both else None,
+                              predicted_inter_bytes=planned))
+    return out

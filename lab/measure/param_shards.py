@@ -1,0 +1,73 @@
+"""Which part of each parameter a rank holds, from its measured record alone (no torch).
+
+The rules the layouts follow: tensor parallelism splits a ``Shard(k)`` placement's dim k (the chunk
+rule); FSDP2 then shards dim 0 over its shard group like ``torch.chunk``, rank r holding rows
+[r·c, min((r+1)·c, d)) with c = ceil(d/N), its storage padded to c rows. The shard group is all of
+dp, HSDP's dp_shard, or no one when FSDP2 only replicates (TP x DP without ZeRO, held as DDP holds).
+``lab.measure.memory_and_comm`` (memory) and ``lab.measure.comm_prediction`` (collectives) both
+predict from this table.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from lab.planning.plan_math import dtype_bytes
+
+# A parameter's dtype as the ranks record it (str(torch.dtype)) -> the planner's name for it.
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float64": "fp64", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+def shard_rows(d: int, n: int, r: int) -> int:
+    """Rows of a dim-0 size ``d`` that rank ``r`` of ``n`` holds (torch.chunk rule, as FSDP2)."""
+    c = math.ceil(d / n)
+    return max(0, min(c, d - r * c))
+
+
+def padded_rows(d: int, n: int) -> int:
+    """Rows per rank FSDP2 stores and communicates: ceil(d/n) (so N·ceil(d/n) in all)."""
+    return math.ceil(d / n)
+
+
+def _tp_local_shape(info: dict[str, Any], tp: int, tp_index: int) -> list[int]:
+    """The shape after TP: a Shard(k) placement on the tp axis splits dim k (chunk rule)."""
+    shape = list(info["global_shape"])
+    for axis, placement in zip(info["mesh_axes"], info["placements"]):
+        m = re.search(r"S(?:hard)?\((?:dim=)?(\d+)", placement)  # "S(0)", "Shard(dim=0)", "_S(0, 2)"
+        if axis == "tp" and m:
+            k = int(m.group(1))
+            shape[k] = shard_rows(shape[k], tp, tp_index)
+    return shape
+
+
+def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per parameter (model order): element bytes, whole numel after TP, and this rank's dp shard."""
+    dims, coords, fsdp = record["dims"], record["coords"], record["strategy"] == "fsdp"
+    # FSDP2 shards over a shard group: all of dp, HSDP's dp_shard, or no one (replicating only, as TP x DP ZeRO-0).
+    n = shard_group(record)
+    out = []
+    for name, info in record["params"].items():
+        shape = _tp_local_shape(info, dims["tp"], coords["tp"])
+        rest = math.prod(shape[1:]) if shape else 1
+        d0 = shape[0] if shape else 1
+        whole = d0 * rest
+        local = shard_rows(d0, n, coords["dp"] % n) * rest if fsdp else whole
+        padded = padded_rows(d0, n) * rest if fsdp else whole
+        out.append({"name": name, "elem": dtype_bytes(_DTYPE_NAMES.get(info["dtype"], "fp32")), "whole": whole,
+                    "local": local, "padded": padded})
+    return out
+
+
+def optimizer_name(record: dict[str, Any]) -> str:
+    """The run's optimizer; records saved before it was recorded were all AdamW."""
+    return record.get("optimizer", "adamw")
+
+
+def shard_group(record: dict[str, Any]) -> int:
+    """The ranks FSDP2 shards one parameter over: dp, or HSDP's dp_shard (1 when it only replicates)."""
+    return record["dims"]["dp"] // record["dims"].get("dp_replicate", 1)
+
+
+def zero_stage(record: dict[str, Any]) -> int:
+    if record["strategy"] == "fsdp" and shard_group(record) == 1:
+        return 0  # FSDP2 replicating only (TP x DP without ZeRO): whole states, as DDP
+    return {"zero1": 1, "fsdp": int(record["zero"])}.get(record["strategy"], 0)
