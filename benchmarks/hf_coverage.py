@@ -1,7 +1,7 @@
 """Every causal-LM type in the installed transformers, tiny, under DP2, TP2 and PP2 on one warm pool.
 
 For each type: its default config, shrunk through the config's own attributes (width, depth, heads,
-vocabulary, experts), read by the lab (``lab.run.own_models``) and run once forward and backward in
+vocabulary, experts: ``lab.run.shrunk_config``), read by the lab (``lab.run.own_models``) and run once forward and backward in
 one process (a type whose tiny config does not build or run there is listed as ``no tiny model``,
 with its error); then each layout on 2 CPU ranks for 2 steps, beside the one-process reference.
 Each case ends as one of:
@@ -30,50 +30,16 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import lab
 from kernels.contract.config_rules import ConfigError
 from lab.run.own_models import own_config
+from lab.run.shrunk_config import tiny_config
 
 LAYOUTS = {"DP2": dict(dp=2), "TP2": dict(tp=2), "PP2": dict(pp=2, microbatches=2)}
-SHRINK = {  # attribute -> tiny value; applied where the default config has the attribute
-    "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "model_dim": 64, "embed_dim": 64,
-    "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "hidden_dim": 128,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4,
-    "num_key_value_heads": 2, "n_kv_heads": 2, "head_dim": 16, "kv_channels": 16,
-    "vocab_size": 128, "max_position_embeddings": 64, "n_positions": 64,
-    "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "sliding_window": 16, "first_k_dense_replace": 1, "rotary_dim": 8,
-    # multi-head latent attention (DeepSeek V2/V3 and their kin): the low-rank and split head sizes
-    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-}
 SEQ_LEN, GLOBAL_BATCH, STEPS, TIMEOUT_S = 16, 4, 2, 180
 MAX_PARAMS, CHUNK = 20_000_000, 20  # a process per CHUNK types: every modeling module imported stays in memory
-
-
-def _shrunk(fields: dict, known: set[str]) -> dict:
-    """The changes that make ``fields`` (a config's dict) tiny: sizes, per-layer lists, sub-configs."""
-    changes = {k: v for k, v in SHRINK.items() if k in known}
-    for name, value in fields.items():
-        if isinstance(value, list) and name.endswith(("layer_types", "_pattern")) and len(value) > 2:
-            changes[name] = value[:2]  # per-layer lists follow the depth
-        elif isinstance(value, dict) and "model_type" in value:  # a composite model's text or vision config
-            changes[name] = {**value, **_shrunk(value, set(value))}
-    return changes
-
-
-def tiny_config(model_type: str):
-    """The type's default config with every size in ``SHRINK`` it has set small (and per-layer lists cut)."""
-    default = AutoConfig.for_model(model_type)
-    changes = _shrunk(default.to_dict(), set(default.to_dict()) | set(getattr(default, "attribute_map", {})))
-    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if isinstance(getattr(default, token, None), int) and getattr(default, token) >= SHRINK["vocab_size"]:
-            changes[token] = 0
-    return AutoConfig.for_model(model_type, **changes)
 
 
 def runs_in_one_process(config) -> None:

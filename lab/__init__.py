@@ -31,7 +31,7 @@ _HOME = {
     "RankError": "lab.errors", "RankTimeoutError": "lab.errors",
     "Experiment": "lab.run.experiment", "LayoutWarning": "lab.run.experiment",
     "Parallel": "lab.run.parallel", "ParallelConfigError": "lab.run.parallel",
-    "Plan": "lab.planning.planner", "plan": "lab.planning.planner",
+    "Plan": "lab.planning.planner", "plan": "lab.run.plan_on_pool",
     "connect": "lab.pool.start_or_connect", "start": "lab.pool.start_or_connect",
     "recommend": "lab.planning.recommend",
     "CommTable": "lab.run.run_result", "NotRecordedError": "lab.run.run_result", "RunResult": "lab.run.run_result",

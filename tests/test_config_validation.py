@@ -152,6 +152,8 @@ DIRECT_REFUSALS = {
                                                                 lab.Parallel(dp=2, tp=2, sequence_parallel=True)),
                                               "tp-sp-model"),
     "hf-per-head-parameter-left-whole": (lambda pool: _own(pool, _hf_doge(), lab.Parallel(dp=2, tp=2)), "tp-style"),
+    "plan-measured-on-a-pool-too-small": (lambda pool: lab.plan("llama3-8b", gpus=64, parallel=dict(tp=8),
+                                                                global_batch=64, measure_on=pool), "measure-on-size"),
     "module-pp-without-blocks": (lambda pool: _own(pool, _mlp(), lab.Parallel(pp=2, dp=2)), "pp-blocks"),
     "module-does-not-build": (lambda pool: _own(pool, lab.Model(lambda: 1 / 0), lab.Parallel(dp=4)), "model-build"),
     "module-not-picklable": (lambda pool: _own(pool, lab.Model(_unpicklable_factory()), lab.Parallel(dp=4)),

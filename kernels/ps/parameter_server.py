@@ -179,7 +179,11 @@ class ShardServer:
         """One optimizer step on the mean of these workers' gradients (summed in worker order); their replies."""
         began = time.time()
         for name, p in self.params.items():
-            p.grad = sum(self.held[w][1][name] for w in workers) / len(workers)
+            # A worker whose share never reached a parameter (an unrouted expert) pushes none for it: the mean
+            # counts it as zero, as DDP does, and a parameter no worker reached keeps no gradient, so AdamW
+            # leaves it as one process would.
+            pushed = [self.held[w][1][name] for w in workers if name in self.held[w][1]]
+            p.grad = sum(pushed) / len(workers) if pushed else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         replies = []

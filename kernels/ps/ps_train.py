@@ -30,7 +30,7 @@ Run alone (4 processes on this machine, 1 server + 3 workers, sync, beside the r
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,7 @@ from kernels.ps import ps_rpc
 from kernels.watch import progress
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
-from kernels.model.gpt import loss_fn
-from kernels.model.family import build_model, model_config
+from kernels.model.family import build_model, model_config, model_loss
 from kernels.watch.collective_log import CollectiveLog
 from kernels.ps.parameter_server import ShardServer, split_by_bytes
 from kernels.ps.ps_watch import PUSH_GROUP, logged_barrier, ps_watch
@@ -164,6 +163,7 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
     mine = fault_kinds.faults_for(cfg["faults"], rank)
     pacing = fault_kinds.pacing_for(mine, None)
     params = dict(model.named_parameters())
+    loss_fn = model_loss(model_config(run))
     names = [ps_rpc.rpc_name(s) for s in range(servers)]
     stats = {"pulls": 0, "pushes": 0, "bytes_sent": 0, "bytes_received": 0, "wait_s": 0.0, "compute_s": 0.0}
     losses, staleness, events, notes = [], [], [], []
@@ -191,9 +191,10 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
             break
         pulled = time.time()
         log.act(f"compute, step {step}")
-        loss = _gradients(model, inputs, targets, pacing)
+        loss = _gradients(model, loss_fn, inputs, targets, pacing)
         computed = time.time()
-        grads = [{n: params[n].grad for n in shard} for shard in shards]
+        # A parameter this share did not reach (an expert no token was routed to) has no gradient to push.
+        grads = [{n: params[n].grad for n in shard if params[n].grad is not None} for shard in shards]
         nbytes = sum(g.numel() * g.element_size() for shard in grads for g in shard.values())
         stats["bytes_sent"] += nbytes
         token = log.enter("push", PUSH_GROUP, every_worker, nbytes)
@@ -216,7 +217,7 @@ def _work(run: RunConfig, model: torch.nn.Module, shards: list[list[str]], cfg: 
             "notes": notes, **stats}
 
 
-def _gradients(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+def _gradients(model: torch.nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
                pacing: fault_kinds.Pacing) -> float:
     """Forward and backward on this worker's share; a slow rank's compute is stretched by its factor."""
     began = time.perf_counter()

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from kernels.contract.layout_rules import bubble_theory, default_microbatches
 from lab.planning import plan_render
+from lab.planning.plan_check import PlanCheck
 from lab.planning.plan_comm import CommEntry, Work, all_entries
 from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes, required_bandwidth
 from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from
@@ -67,6 +68,7 @@ class Plan(plan_render.Rendered):
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     stages: tuple[StagePlan, ...] = ()  # one per pipeline rank
+    measured: PlanCheck | None = None  # lab.plan(..., measure_on=cluster): a scaled copy measured on the pool
 
     @property
     def fits(self) -> bool:

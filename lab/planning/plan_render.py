@@ -72,6 +72,9 @@ def _bubble(p: Any) -> str:
             f"Megatron's bubble/ideal (p-1)/(v·m): {p.bubble_megatron:.1%}")
 
 
+_CHECK_HEADER = ("measured beside predicted", "predicted", "measured", "ratio", "note")
+
+
 def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -89,6 +92,9 @@ def text(p: Any) -> str:
         lines += ["  " + row for row in
                   _text_table(("link", "wire", "bandwidth", "time", "needed"), link_rows(p))]
     lines += ["", _bubble(p)]
+    if p.measured is not None:
+        lines += ["", p.measured.title() + ":"]
+        lines += ["  " + row for row in _text_table(_CHECK_HEADER, p.measured.table_rows())]
     lines += [f"warning: {w}" for w in p.warnings] + [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 
@@ -111,6 +117,9 @@ def html(p: Any) -> str:
         parts.append(_html_table(("link", "wire", "bandwidth", "time", "needed"), link_rows(p),
                                  "lab-plan-links"))
     parts.append(f"<p>{esc(_bubble(p))}</p>")
+    if p.measured is not None:
+        parts.append(f"<p>{esc(p.measured.title())}</p>")
+        parts.append(_html_table(_CHECK_HEADER, p.measured.table_rows(), "lab-plan-measured"))
     items = [f"<li>warning: {esc(w)}</li>" for w in p.warnings] + [f"<li>note: {esc(n)}</li>" for n in p.notes]
     if items:
         parts.append(f'<ul class="lab-plan-warnings">{"".join(items)}</ul>')

@@ -21,13 +21,12 @@ the step under way, and the result holds the steps that ran.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kernels.contract.config_rules import ConfigError, Problem, is_int, optimizer_problems
-from kernels.model.gpt import GPTConfig
+from kernels.model.family import model_fields
 from kernels.ps.parameter_server import MODES
 from kernels.ps.ps_rpc import open_rpc_store
 from kernels.ps.ps_train import ps_rank
@@ -38,6 +37,7 @@ from lab.pool.cluster import Cluster
 from lab.pool.cluster_world import listen_addresses
 from lab.run.faults import fault_problems, fault_records, hang_after_problems
 from lab.pool.hang_report import HangWatch
+from lab.run.experiment import run_model
 from lab.run.parallel import ParallelConfigError
 from lab.ps.ps_handle import PSHandle
 from lab.ps.ps_result import PSResult
@@ -46,14 +46,15 @@ from lab.ps.ps_result import PSResult
 class ParameterServer:
     """Train ``model`` with parameter servers on ``cluster``; see ``run()`` and ``reference()``."""
 
-    def __init__(self, cluster: Cluster, model: GPTConfig, *, servers: int = 1, mode: str = "sync",
+    def __init__(self, cluster: Cluster, model: Any, *, servers: int = 1, mode: str = "sync",
                  max_staleness: int | None = None, global_batch: int = 12, steps: int = 3, lr: float = 1e-2,
                  optimizer: str = "adamw", seed: int = 0, faults: Sequence[Any] = (),
                  hang_after: float | None = None) -> None:
-        self.cluster, self.model, self.servers, self.mode = cluster, model, servers, mode
+        self.model, model_problems = run_model(model)  # any model an Experiment takes
+        self.cluster, self.servers, self.mode = cluster, servers, mode
         self.max_staleness, self.global_batch, self.steps, self.lr = max_staleness, global_batch, steps, lr
         self.optimizer, self.seed, self.faults, self.hang_after = optimizer, seed, faults, hang_after
-        problems = self._problems()
+        problems = model_problems or self._problems()
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
 
@@ -65,8 +66,6 @@ class ParameterServer:
     def _problems(self) -> list[Problem]:
         world = self.cluster.world_size
         out: list[Problem] = []
-        if not isinstance(self.model, GPTConfig):
-            out.append(("argument-types", f"model must be a lab.GPT, got {type(self.model).__name__}"))
         if not (is_int(self.servers) and 1 <= self.servers < world):
             out.append(("ps-servers", f"servers must be an int from 1 to world_size-1 = {world - 1} "
                         f"(at least one rank must be a worker), got {self.servers!r}"))
@@ -81,7 +80,7 @@ class ParameterServer:
         if out:
             return out
         if self.model.seed not in (0, self.seed):
-            out.append(("model-seed", f"lab.GPT(seed={self.model.seed}) is not used: pass seed={self.model.seed} "
+            out.append(("model-seed", f"the model's seed={self.model.seed} is not used: pass seed={self.model.seed} "
                         f"to the ParameterServer, which fixes the weights and the data"))
         if is_int(self.global_batch) and self.global_batch % self.workers:
             out.append(("global-batch", f"global_batch={self.global_batch} must be divisible by the "
@@ -100,8 +99,7 @@ class ParameterServer:
 
     def run_config(self) -> RunConfig:
         """The model, data and optimizer hyper-parameters, as data parallel over the workers would train them."""
-        model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "seed"}
-        return RunConfig(model=model, seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
+        return RunConfig(model=model_fields(self.model), seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
                          optimizer=self.optimizer, strategy=resolve_strategy(dp=self.workers))
 
     def rank_config(self, port: int) -> dict[str, Any]:

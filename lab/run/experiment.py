@@ -88,7 +88,7 @@ class Experiment:
                  checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None,
                  data: Any = None) -> None:
         self.cluster, self.parallel = cluster, parallel
-        self.model, model_problems = _model_config(model)
+        self.model, model_problems = run_model(model)
         problems = list(model_problems)
         self.global_batch, self.steps, self.lr, self.seed = global_batch, steps, lr, seed
         self.trace, self.synthetic_forward_s, self.measure = trace, synthetic_forward_s, measure
@@ -224,8 +224,8 @@ class Experiment:
         return {**cfg, "resume_from": path}
 
 
-def _model_config(model: Any) -> tuple[Any, list[Problem]]:
-    """The model as the run names it: a lab.GPT or lab.Llama as given, a Hugging Face config or a
+def run_model(model: Any) -> tuple[Any, list[Problem]]:
+    """The model as a run names it: a lab.GPT or lab.Llama as given, a Hugging Face config or a
     ``lab.Model`` read once on the meta device (``lab.run.own_models``), with what stops that."""
     if isinstance(model, (GPTConfig, LlamaConfig, OwnConfig)):  # OwnConfig: read already (lab.Training reloading)
         return model, []

@@ -64,6 +64,8 @@ RULES = {
     "tp-plan": "tp > 1 needs a tensor-parallel plan whose every entry names a module (or parameter) of the model",
     "tp-style": "every style in the plan is one the lab applies (kernels.contract.model_rules.TP_STYLES)",
     "tp-width": "tp must divide each width the tensor-parallel plan splits",
+    "measure-on-size": "lab.plan(..., measure_on=pool) runs the layout's tp and pp on the pool: tp*pp must divide "
+                       "its ranks",
     "tp-sp-model": "sequence_parallel needs blocks of norms and column- then row-split regions, then norms and a head",
     "pp-blocks": "pp > 1 needs the model's block list: blocks= names a non-empty nn.ModuleList",
     "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
