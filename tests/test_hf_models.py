@@ -75,11 +75,15 @@ def test_hf_llama_on_every_layout_family_matches_one_process(cluster, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    dict(dp=4), dict(dp=4, zero=3), dict(dp=2, tp=2), dict(tp=4), dict(pp=2, dp=2, microbatches=2),
+    dict(dp=4), dict(dp=4, zero=1), dict(dp=4, zero=2), dict(dp=4, zero=3), dict(dp=4, fsdp_strategy="hybrid"),
+    dict(dp=2, tp=2), dict(tp=4), dict(pp=2, dp=2, microbatches=2),
     dict(pp=2, tp=2, microbatches=2), dict(pp=2, dp=2, zero=3, microbatches=2),
+    dict(pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4),
     dict(pp=2, dp=2, schedule="zbv", microbatches=4), dict(dp=2, tp=2, sequence_parallel=True),
     dict(pp=2, tp=2, sequence_parallel=True, microbatches=2),
-], ids=["ddp4", "zero3", "tp2-dp2", "tp4", "pp2-dp2", "pp2-tp2", "pp2-fsdp2", "pp2-dp2-zbv", "tp2-dp2-sp", "pp2-tp2-sp"])
+    dict(dp=4, zero=3, mixed_precision="bf16", activation_checkpointing=True),
+], ids=["ddp4", "zero1", "zero2", "zero3", "hsdp-2x2", "tp2-dp2", "tp4", "pp2-dp2", "pp2-tp2", "pp2-fsdp2",
+        "pp2-dp2-interleaved", "pp2-dp2-zbv", "tp2-dp2-sp", "pp2-tp2-sp", "zero3-bf16-ac"])
 def test_gpt2_with_the_labs_plan_matches_one_process(cluster, layout):
     """GPT-2 ties its head to the token embedding: a pipeline's first and last stage each hold a copy, kept
     equal by summing their gradients (kernels.parallel.tied_stages)."""
@@ -87,8 +91,9 @@ def test_gpt2_with_the_labs_plan_matches_one_process(cluster, layout):
 
 
 @pytest.mark.slow
-def test_3d_on_eight_ranks_matches_one_process(cluster8):
-    _parity(cluster8, hf_llama(), dict(pp=2, dp=2, tp=2, microbatches=2))
+@pytest.mark.parametrize("make", [hf_llama, gpt2], ids=["llama", "gpt2"])
+def test_3d_on_eight_ranks_matches_one_process(cluster8, make):
+    _parity(cluster8, make(), dict(pp=2, dp=2, tp=2, microbatches=2))
 
 
 @pytest.mark.slow  # two runs, an export and a resume: 15 s

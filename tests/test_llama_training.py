@@ -44,11 +44,11 @@ def test_tp_and_dp_with_sequence_and_loss_parallel_match_one_process(cluster):
 
 @pytest.mark.slow  # fast tier: TP x DP above; these are the other layout families
 @pytest.mark.parametrize("layout", [
-    dict(dp=4), dict(dp=4, zero=1), dict(dp=4, zero=3), dict(dp=4, fsdp_strategy="hybrid"),
+    dict(dp=4), dict(dp=4, zero=1), dict(dp=4, zero=2), dict(dp=4, zero=3), dict(dp=4, fsdp_strategy="hybrid"),
     dict(dp=2, tp=2, zero=3), dict(pp=2, dp=2, microbatches=2), dict(pp=2, tp=2, microbatches=2),
     dict(pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4),
     dict(dp=4, zero=3, mixed_precision="bf16", activation_checkpointing=True),
-], ids=["ddp4", "zero1-dp4", "zero3-dp4", "hsdp-2x2", "tp2-fsdp2-zero3", "pp2-dp2-1f1b", "pp2-tp2-1f1b",
+], ids=["ddp4", "zero1-dp4", "zero2-dp4", "zero3-dp4", "hsdp-2x2", "tp2-fsdp2-zero3", "pp2-dp2-1f1b", "pp2-tp2-1f1b",
         "pp2-dp2-interleaved", "zero3-bf16-ac"])
 def test_every_layout_family_matches_one_process(cluster, layout):
     _parity(cluster, layout)
