@@ -97,3 +97,13 @@ def test_a_new_layout_trains_on_the_experiments_own_data(cluster, tmp_path):
     assert result.config["data"]["kind"] == "text" and "equal to one process" in controls.losses.value
     controls.keep_weights.value = True
     assert controls.run().config["data"]["kind"] == "text" and "equal to one process" in controls.losses.value
+
+
+@pytest.mark.slow
+def test_a_new_layout_trains_with_the_experiments_own_optimizer(cluster):
+    """An SGD experiment stays SGD in every Run of the controls, kept weights or not, and so does its reference."""
+    controls = Controls(lab.Experiment(cluster, TINY, lab.Parallel(dp=4), global_batch=8, steps=2, optimizer="sgd"))
+    controls.fields["dp"].value, controls.fields["tp"].value = 2, 2
+    assert controls.run().config["optimizer"] == "sgd" and "equal to one process" in controls.losses.value
+    controls.keep_weights.value = True
+    assert controls.run().config["optimizer"] == "sgd" and "equal to one process" in controls.losses.value

@@ -45,6 +45,18 @@ def test_async_checkpoints_are_complete_when_step_returns(cluster, tmp_path):
         assert loaded.step(1).losses == training.losses[2:]
 
 
+@pytest.mark.slow
+def test_a_loaded_sgd_run_goes_on_with_sgd(cluster, tmp_path):
+    """The saved run's optimizer is the loaded one's: an SGD checkpoint does not come back as AdamW."""
+    model = lab.GPT(**TINY)
+    whole = lab.Experiment(cluster, model, lab.Parallel(dp=4), steps=3, optimizer="sgd").run(progress=False)
+    with lab.Training(cluster, model, lab.Parallel(dp=4), optimizer="sgd") as training:
+        training.step(2)
+        saved = training.save(tmp_path)
+    with lab.Training.load(cluster, saved, parallel=lab.Parallel(dp=2, tp=2)) as loaded:
+        assert loaded.step(1).losses == pytest.approx(whole.losses[2:], rel=1e-4)
+
+
 def test_plain_sgd_trains_on_across_a_relayout(cluster):
     """SGD keeps no optimizer state: a ZeRO-1 -> TP2xDP2 ZeRO-3 relayout still goes on as one SGD run."""
     model = lab.GPT(**TINY)

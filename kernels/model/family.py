@@ -27,7 +27,7 @@ from kernels.contract.model_rules import is_own_model
 from kernels.contract.run_config import RunConfig
 from kernels.model.gpt import GPT, GPTConfig, build_gpt, count_parameters, loss_fn
 from kernels.model.llama import Llama, LlamaConfig, build_llama, keep_layers
-from kernels.model.own_model import OwnModel, build_own, meta_own, own_loss
+from kernels.model.own_model import OwnModel, build_own, meta_own, own_loss, split_sizes
 
 LLAMA = "llama"
 
@@ -52,8 +52,8 @@ class OwnConfig:
         return self.spec["seq_len"]
 
     def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
-        sizes = dict(self.spec.get("tp_sizes") or {})
-        return {**sizes, "seq_len": self.spec["seq_len"]} if sequence_parallel else sizes
+        """What tp must divide (``kernels.model.own_model.split_sizes``)."""
+        return split_sizes(self.spec, sequence_parallel)
 
 
 ModelConfig = GPTConfig | LlamaConfig | OwnConfig

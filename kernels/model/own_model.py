@@ -82,9 +82,8 @@ class OwnModel(nn.Module):
         return dict(self.get_submodule(plan["blocks"]).named_children()) if plan else {}
 
     def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
-        """The sizes the plan splits (heads, kv_heads, module widths), and the sequence under sequence parallel."""
-        sizes = dict(self.spec.get("tp_sizes") or {})
-        return {**sizes, "seq_len": self.spec["seq_len"]} if sequence_parallel else sizes
+        """The sizes the plan splits (``split_sizes``)."""
+        return split_sizes(self.spec, sequence_parallel)
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
         """(per-block plan, plan for the rest): the spec's styles as DTensor styles, for the modules this
@@ -197,6 +196,13 @@ class OwnModel(nn.Module):
         types = getattr(config, "layer_types", None)
         if self.is_hf and isinstance(types, list) and len(types) == len(names) and len(set(types)) > 1:
             config.layer_types = [types[names.index(n)] for n in kept]
+
+
+def split_sizes(spec: Mapping[str, Any], sequence_parallel: bool = False) -> dict[str, int]:
+    """What tensor parallelism splits in a model the user brought (heads, kv_heads, module widths), and the
+    sequence under sequence parallelism: each must divide by tp."""
+    sizes = dict(spec.get("tp_sizes") or {})
+    return {**sizes, "seq_len": spec["seq_len"]} if sequence_parallel else sizes
 
 
 def matches(name: str, pattern: str) -> bool:

@@ -107,7 +107,7 @@ class Controls:
         parallel = self.parallel()
         trace = exp.trace and parallel.pp > 1  # tracing times pipeline actions: a layout without one has none
         new = Experiment(exp.cluster, exp.model, parallel, global_batch=exp.global_batch, steps=exp.steps,
-                         lr=exp.lr, seed=exp.seed, trace=trace,
+                         lr=exp.lr, optimizer=exp.optimizer, seed=exp.seed, trace=trace,
                          synthetic_forward_s=exp.synthetic_forward_s if trace else None, measure=exp.measure,
                          compile=exp.compile, data=exp.data_spec)
         self.button.disabled = True
@@ -132,7 +132,8 @@ class Controls:
         options = dict(trace=new.trace, synthetic_forward_s=new.synthetic_forward_s, measure=new.measure)
         if self.training is None:
             self.training = Training(new.cluster, new.model, new.parallel, global_batch=new.global_batch, lr=new.lr,
-                                     seed=new.seed, compile=new.compile, data=new.data_spec, **options)
+                                     optimizer=new.optimizer, seed=new.seed, compile=new.compile, data=new.data_spec,
+                                     **options)
         elif self.training.parallel != new.parallel:
             self.training.relayout(new.parallel, **options)
         return self.training.step(new.steps)
@@ -148,7 +149,8 @@ class Controls:
         losses = self.training.losses if self.training is not None else self.result.losses
         if self._reference is None or len(self._reference.losses) != len(losses):
             self._reference = Experiment(exp.cluster, exp.model, exp.parallel, global_batch=exp.global_batch,
-                                         steps=len(losses), lr=exp.lr, seed=exp.seed, data=exp.data_spec).reference()
+                                         steps=len(losses), lr=exp.lr, optimizer=exp.optimizer, seed=exp.seed,
+                                         data=exp.data_spec).reference()
         return losses, self._reference.losses
 
     def _refresh_measured(self, result: RunResult) -> None:

@@ -160,7 +160,7 @@ class Training:
         """A Training from a checkpoint (a step directory, or the latest complete one under ``path``).
 
         ``parallel`` defaults to the saved layout; any other valid layout of the same model
-        loads it too. The model, seed, batch size and learning rate are the saved run's;
+        loads it too. The model, seed, batch size, optimizer and learning rate are the saved run's;
         ``checkpoint_dir``/``checkpoint_every``/``checkpoint_async`` and ``options`` (``trace``, ``measure``, ...) are as for a
         new Training.
         """
@@ -168,7 +168,8 @@ class Training:
         saved = RunConfig.from_dict(read_meta(found)["config"])
         training = cls.__new__(cls)  # built on the ranks by the load itself, not twice
         training._setup(cluster, model_config(saved), parallel or saved_layout(saved),
-                        dict(global_batch=saved.global_batch, lr=saved.lr, seed=saved.seed, data=saved.data,
+                        dict(global_batch=saved.global_batch, lr=saved.lr, optimizer=str(saved.optimizer),
+                             seed=saved.seed, data=saved.data,
                              checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every,
                              checkpoint_async=checkpoint_async, **options))
         meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
