@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.contract import layout_rules
 from kernels.contract.model_rules import HF
-from kernels.model.own_sequence_parallel import sequence_parallel_plans, shard_sequence, whole_sequence
+from kernels.model.own_sequence_parallel import (on_hidden_states, sequence_parallel_plans, shard_sequence,
+                                                 whole_sequence)
 from kernels.model.own_tp import parallel_style
 
 
@@ -109,10 +110,8 @@ class OwnModel(nn.Module):
             self.sequence_shards = tp
             if self.has_first:
                 first = next(iter(self.blocks.values()))
-                first.register_forward_pre_hook(
-                    lambda mod, args, kwargs: ((shard_sequence(args[0], tp_mesh), *args[1:]), kwargs) if args
-                    else (args, {**kwargs, "hidden_states": shard_sequence(kwargs["hidden_states"], tp_mesh)}),
-                    with_kwargs=True)
+                first.register_forward_pre_hook(on_hidden_states(lambda x: shard_sequence(x, tp_mesh)),
+                                                with_kwargs=True)
             if self.has_last:
                 last = list(self.blocks.values())[-1]
                 last.register_forward_hook(lambda mod, args, out: whole_sequence(out, tp_mesh) if torch.is_tensor(out)
@@ -178,9 +177,8 @@ class OwnModel(nn.Module):
         return self
 
     def _take_received(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (self.received[0], *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self.received[0]}
+        # A bound method, not a closure: a deep copy of the cut stage rebinds it to the copy.
+        return on_hidden_states(lambda _: self.received[0])(module, args, kwargs)
 
     def _replace(self, path: str, new: nn.Module) -> None:
         """Set the submodule at ``path`` to ``new`` in the wrapped model (and here, for a top-level one)."""

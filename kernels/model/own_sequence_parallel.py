@@ -23,7 +23,7 @@ activations are then whole, one norm's worth more than Megatron keeps.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -43,15 +43,21 @@ def shard_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
 
 
+def on_hidden_states(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A forward pre-hook (``with_kwargs=True``) that replaces a block's hidden-state input, the first positional
+    argument or ``hidden_states=`` (how HF blocks and a ``lab.Model``'s are called), by ``change`` of it."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (change(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+    return hook
+
+
 class GatherSequence(ParallelStyle):
-    """Before the module runs, its hidden-state input (first positional, or ``hidden_states=``) made whole."""
+    """Before the module runs, its hidden-state input made whole."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args and isinstance(args[0], torch.Tensor):
-                return (whole_sequence(args[0], device_mesh), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": whole_sequence(kwargs["hidden_states"], device_mesh)}
-        module.register_forward_pre_hook(gather, with_kwargs=True)
+        module.register_forward_pre_hook(on_hidden_states(lambda x: whole_sequence(x, device_mesh)), with_kwargs=True)
         return module
 
 
@@ -96,11 +102,11 @@ def sequence_parallel_layout(meta: nn.Module, tp_plan: dict[str, str], blocks: s
     for name, child in next(iter(meta.get_submodule(blocks).children())).named_children():
         own = tp_plan.get(f"{blocks}.*.{name}", "")
         inside = [v for k, v in tp_plan.items() if k.startswith(f"{blocks}.*.{name}.")]
-        if type(child).__name__.endswith("Norm"):
+        if _is_norm(child):
             norms.append(name)
         elif "colwise" in own or (any("colwise" in v for v in inside) and any("rowwise" in v for v in inside)):
             gather.append(name)
-        elif "rowwise" not in own and any(True for _ in child.parameters()):
+        elif "rowwise" not in own and _holds_parameters(child):
             return {"why_not": f"a block's {name!r} ({type(child).__name__}) is neither a norm nor split by the "
                     "plan column- then row-wise, so it cannot run on a sequence shard"}
     if not gather:

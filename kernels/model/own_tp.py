@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel

@@ -12,7 +12,6 @@ the whole process group) and holds nothing: ``idle`` is true.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 

@@ -57,10 +57,10 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
     return out
 
 
-def planned_stage(record: dict[str, Any], cfg: dict[str, Any]) -> Any:
+def planned_stage(record: dict[str, Any], run: RunConfig) -> Any:
     """The planner's StagePlan for this rank's pipeline rank (fp32, the run's optimizer, batch and layout); None
     without tp or pp, or for a model the planner does not size (``planned_model``)."""
-    dims, run = record["dims"], RunConfig.from_options(cfg)
+    dims = record["dims"]
     model = planned_model(run)
     if (dims["tp"] == 1 and dims["pp"] == 1) or model is None:
         return None
@@ -110,9 +110,10 @@ def comm_records(record: dict[str, Any], cfg: dict[str, Any], hosts: list[str] |
     With ``hosts`` (the host of each rank, by rank), each record also splits its wire bytes
     into intra- and inter-host traffic, beside the planner's inter-host bytes (``lab.measure.host_traffic``).
     """
-    stage = planned_stage(record, cfg)  # the planner once per rank record
+    run = RunConfig.from_options(cfg)  # read (and checked) once per rank record, not per collective
+    stage = planned_stage(record, run)  # and the planner once
     pred, sends, out = predicted_comm(record, stage), _pp_sends(stage), []
-    order = RunConfig.from_options(cfg).strategy.mesh_order  # read (and checked) once, not per collective
+    order = run.strategy.mesh_order
     for row in record["comm"]:
         predicted = _predicted(pred, row)
         both = host_traffic.split(row, record["rank"], hosts) if hosts else None

@@ -99,8 +99,9 @@ class ParameterServer:
 
     def run_config(self) -> RunConfig:
         """The model, data and optimizer hyper-parameters, as data parallel over the workers would train them."""
-        return RunConfig(model=model_fields(self.model), seed=self.seed, global_batch=self.global_batch, steps=self.steps, lr=self.lr,
-                         optimizer=self.optimizer, strategy=resolve_strategy(dp=self.workers))
+        return RunConfig(model=model_fields(self.model), seed=self.seed, global_batch=self.global_batch,
+                         steps=self.steps, lr=self.lr, optimizer=self.optimizer,
+                         strategy=resolve_strategy(dp=self.workers))
 
     def rank_config(self, port: int) -> dict[str, Any]:
         """The plain dict every rank receives: the run, the roles, the mode, the faults and the RPC rendezvous."""

@@ -60,7 +60,7 @@ def measured_beside(planned: Plan, model: Any, cluster: Any) -> PlanCheck:
     trained = lab.Model(copy, seq_len=SEQ_LEN) if is_hf_config(copy) else copy  # an HF model's window is set here
     run = lab.Experiment(cluster, trained, parallel, global_batch=global_batch, steps=STEPS, measure=True)
     result = run.run(progress=False)
-    predicted = analytic_plan(copy, world, parallel={**_layout_dict(parallel)}, global_batch=global_batch,
+    predicted = analytic_plan(copy, world, parallel=_layout_dict(parallel), global_batch=global_batch,
                               micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, dtype="fp32", optimizer="adam")
     rows = _memory_rows(predicted, result) + _comm_rows(predicted, result)
     return PlanCheck(predicted.model, parallel.describe(), world, tuple(rows))
@@ -80,8 +80,8 @@ def scaled_copy(model: Any, tp: int, layers: int) -> Any:
         return dataclasses.replace(model, layers=layers, d_model=heads * 8, heads=heads, vocab=128, seq_len=SEQ_LEN,
                                    d_ff=4 * heads * 8)
     if is_hf_config(model):
-        from lab.run.shrunk_config import shrunk_copy
-        depth = {k: layers for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")}
+        from lab.run.shrunk_config import DEPTH, shrunk_copy
+        depth = {k: layers for k in DEPTH}
         width = {k: heads * 16 for k in ("hidden_size", "n_embd", "d_model", "dim")}
         return shrunk_copy(model, {**depth, **width, "num_attention_heads": heads, "n_head": heads,
                                    "num_key_value_heads": kv, "intermediate_size": 2 * heads * 16,

@@ -28,6 +28,7 @@ SHRINK = {  # attribute -> tiny value; applied where the config has the attribut
     # multi-head latent attention (DeepSeek V2/V3 and their kin): the low-rank and split head sizes
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }
+DEPTH = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")  # the words configs use for their depth
 _TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -36,7 +37,7 @@ def shrunk_changes(fields: dict[str, Any], known: set[str], sizes: dict[str, int
     of ``SHRINK`` overridden by ``sizes``, per-layer lists cut to the depth, sub-configs shrunk alike."""
     table = {**SHRINK, **(sizes or {})}
     changes = {k: v for k, v in table.items() if k in known}
-    depth = next((table[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in known), 2)
+    depth = next((table[k] for k in DEPTH if k in known), 2)
     for name, value in fields.items():
         if isinstance(value, list) and name.endswith(("layer_types", "_pattern")) and len(value) > depth:
             changes[name] = value[:depth]  # per-layer lists follow the depth
