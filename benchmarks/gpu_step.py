@@ -10,10 +10,11 @@ sides train the same model). Three measurements, each the median step time after
    built ahead on the CPU, its gradient norm every step;
 3. **the lab, compile=True**: the same with ``torch.compile`` on each block.
 
-It prints ms/step, tokens/s and MFU against the GPU's bf16 dense peak (989 TFLOP/s for an
-H100 SXM; ``--peak-tflops`` for others), with FLOPs per step 6·N·tokens + 12·L·D·S·tokens
-(the attention score and value matmuls, as picotron and PaLM count them), and the ratios of
-the lab's tokens/s to plain torch's. Goals: defaults ≥ 0.97×, compile ≥ 1.05×.
+It prints ms/step, tokens/s and MFU against the GPU's bf16 dense peak (looked up by the GPU's
+name in ``lab.measure.throughput.PEAK_BF16_DENSE``, 989 TFLOP/s for an H100 SXM; ``--peak-tflops``
+for others), with the model FLOPs per step of ``lab.measure.throughput.flops_per_token``:
+6·N·tokens + 12·L·D·S·tokens (Narayanan et al., 2021; docs/design.md#overlap-model-flops-and-mfu),
+and the ratios of the lab's tokens/s to plain torch's. Goals: defaults ≥ 0.97×, compile ≥ 1.05×.
 
 Without a GPU it measures nothing, says so, and exits 0.
 
@@ -30,13 +31,26 @@ import torch
 
 SHAPE = {"layers": 12, "d_model": 1024, "heads": 16, "vocab": 32768, "seq_len": 1024}
 GLOBAL_BATCH = 16
-H100_BF16_TFLOPS = 989.0
 
 
-def flops_per_step(params: int) -> float:
-    """6·N per token for the weights' matmuls plus the attention matmuls, 12·L·D·S per token."""
-    tokens = GLOBAL_BATCH * SHAPE["seq_len"]
-    return 6 * params * tokens + 12 * SHAPE["layers"] * SHAPE["d_model"] * SHAPE["seq_len"] * tokens
+def flops_per_step() -> float:
+    """Model FLOPs of one step of the benchmark's GPT (forward and backward, no recomputation)."""
+    from kernels.model.family import model_fields
+    from kernels.model.gpt import GPTConfig
+    from lab.measure.throughput import flops_per_token
+
+    return flops_per_token(model_fields(GPTConfig(**SHAPE)))[0] * GLOBAL_BATCH * SHAPE["seq_len"]
+
+
+def report(rows: dict[str, float], baseline_s: float, peak_flops: float) -> str:
+    """The table: per measurement ms/step, tokens/s, MFU against ``peak_flops`` (one device) and speed vs plain."""
+    flops, tokens = flops_per_step(), GLOBAL_BATCH * SHAPE["seq_len"]
+    lines = [f"{flops / 1e12:.2f} TFLOP per step, peak {peak_flops / 1e12:.0f} TFLOP/s",
+             f"{'':45s} {'ms/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'vs plain':>8s}"]
+    for name, seconds in rows.items():
+        mfu = flops / seconds / peak_flops
+        lines.append(f"{name:45s} {seconds * 1e3:8.1f} {tokens / seconds:10,.0f} {mfu:6.1%} {baseline_s / seconds:7.2f}×")
+    return "\n".join(lines)
 
 
 def plain_torch(steps: int, warmup: int) -> tuple[float, int]:
@@ -80,7 +94,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS, help="the GPU's bf16 dense peak")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's bf16 dense peak (default: known by its name)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_step: no CUDA GPU is visible, so nothing was measured (run it on a GPU machine)")
@@ -94,12 +108,11 @@ def main() -> int:
         rows = {"plain torch (eager, autocast, fused AdamW)": plain_s,
                 "lab default (1 NCCL rank, bf16)": lab_step(cluster, args.steps, args.warmup, compile=False),
                 "lab compile=True": lab_step(cluster, args.steps, args.warmup, compile=True)}
-    flops, tokens = flops_per_step(params), GLOBAL_BATCH * SHAPE["seq_len"]
-    print(f"{params / 1e6:.1f}M parameters, {flops / 1e12:.2f} TFLOP per step")
-    print(f"{'':45s} {'ms/step':>8s} {'tokens/s':>10s} {'MFU':>6s} {'vs plain':>8s}")
-    for name, seconds in rows.items():
-        mfu = flops / seconds / (args.peak_tflops * 1e12)
-        print(f"{name:45s} {seconds * 1e3:8.1f} {tokens / seconds:10,.0f} {mfu:6.1%} {plain_s / seconds:7.2f}×")
+    from lab.measure.throughput import peak_flops
+
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(torch.cuda.get_device_name(0))
+    print(f"{params / 1e6:.1f}M parameters")
+    print(report(rows, plain_s, peak))
     return 0
 
 

@@ -90,9 +90,10 @@ def test_each_predicted_part_follows_the_rule_for_the_records_sizes_and_states_i
     bar = _memory_state([r.to_dict() for r in memory_records(record)])["bars"]["peak_fwd_bwd"][0]
     assert {p: v["predicted"] for p, v in bar["activation_parts"].items()} == {p: rule[p] for p in measured}
     assert bar["predicted"]["activations"] == sum(rule.values())
-    for dims, why in (({"tp": 2}, "tensor parallel"), ({"pp": 2}, "pipeline")):  # no rule: said so, no number
-        other = {**record, "dims": {**record["dims"], **dims}}
-        rows = [r for r in memory_records(other) if r.category.startswith("activations")]
+    tp = predicted_parts(B, S, H, A, F, V, L, tp=2)  # TP, SP, checkpointing, bf16 and stages have rules too
+    rows = {r.category: r for r in memory_records({**record, "dims": {**record["dims"], "tp": 2}})}
+    assert rows["activations.attention"].predicted == tp["attention"] < rule["attention"]
+    interleaved = {**record, "dims": {**record["dims"], "pp": 2}, "schedule": "interleaved_1f1b", "stage_ids": [0, 2]}
+    for other, why in ((interleaved, "one stage per rank"), ({**record, "model": {**model, "family": "llama"}}, "llama")):
+        rows = [r for r in memory_records(other) if r.category.startswith("activations")]  # no rule: said so, no number
         assert all(r.predicted is None and why in r.predicted_source for r in rows)
-    rows = [r for r in memory_records({**record, "activation_checkpointing": True}) if r.category == "activations"]
-    assert rows[0].predicted is None and "activation_checkpointing" in rows[0].predicted_source

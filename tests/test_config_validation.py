@@ -55,7 +55,9 @@ REFUSALS = {
     # the probe's loose acceptances
     "zero-float": ({}, {"dp": 4, "zero": 2.0}, {}, "zero-stage"),
     "sequence-parallel-string": ({}, {"tp": 4, "sequence_parallel": "yes"}, {}, "bool-flags"),
-    "activation-checkpointing-int": ({}, {"dp": 4, "activation_checkpointing": 1}, {}, "bool-flags"),
+    "activation-checkpointing-int": ({}, {"dp": 4, "activation_checkpointing": 1}, {}, "activation-checkpointing"),
+    "activation-checkpointing-word": ({}, {"dp": 4, "activation_checkpointing": "full"}, {},
+                                      "activation-checkpointing"),
     # beside them: a bool where an int is wanted, and each new rule
     "tp-bool": ({}, {"tp": True, "dp": 4}, {}, "positive-sizes"),
     "dp-float": ({}, {"dp": 2.0, "tp": 2}, {}, "positive-sizes"),

@@ -87,6 +87,11 @@ LAYOUTS = {
     "tp2-fsdp2-zero3": ({"dp": 2, "tp": 2, "zero": 3}, FP32),
     "tp2-fsdp2-zero3-sp": ({"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True}, FP32),
     "tp2-fsdp2-zero3-ac": ({"dp": 2, "tp": 2, "zero": 3, "activation_checkpointing": True}, FP32),
+    # Selective checkpointing (kernels.parallel.activation_checkpoint): matmul and collective outputs kept.
+    "ddp4-selective-ac": ({"dp": 4, "activation_checkpointing": "selective"}, FP32),
+    "tp2-dp2-selective-ac": ({"dp": 2, "tp": 2, "activation_checkpointing": "selective"}, FP32),
+    "tp2-dp2-sp-selective-ac": ({"dp": 2, "tp": 2, "sequence_parallel": True, "activation_checkpointing": "selective"},
+                                FP32),
     "zero3-dp4-cpu-offload": ({"dp": 4, "zero": 3, "cpu_offload": True}, FP32),
     # Plain SGD (optimizer="sgd"): no optimizer state, so ZeRO-1 only splits the update.
     "ddp4-sgd": ({"dp": 4, "optimizer": "sgd"}, FP32),

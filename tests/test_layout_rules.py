@@ -169,7 +169,8 @@ def test_bubble_theory_closed_forms():
     assert bubble_theory("1f1b", 4, 8, 1) == pytest.approx((3 / 11, 3 / 8))
     assert bubble_theory("interleaved_1f1b", 4, 8, 2) == pytest.approx((3 / 19, 3 / 16))
     assert bubble_theory("looped_bfs", 2, 4, 3) == pytest.approx((1 / 13, 1 / 12))
-    assert bubble_theory("zbv", 4, 8, 2) == (None, None)
+    assert bubble_theory("interleaved_zero_bubble", 4, 8, 2) == pytest.approx((3 / 51, 3 / 48))  # ZB-H1 over v
+    assert bubble_theory("zbv", 4, 8, 2) == (0.0, 0.0)  # ZB-V
     assert bubble_theory("dualpipev", 4, 8, 2) == (None, None)
     assert bubble_theory("1f1b", 1, 4) == (0.0, 0.0)
     with pytest.raises(ValueError):

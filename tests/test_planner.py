@@ -88,7 +88,9 @@ def test_245gb_in_one_second_needs_245gbps_which_is_1960_gbit():
     p = plan(LLAMA70, gpus=8, gpus_per_node=1, parallel={"dp": 8, "fsdp_strategy": "grad_op"},
              target_iter_s=1.0)
     assert p.link("inter").needed_gbps == pytest.approx(245.0)
-    assert p.link("inter").time_s == pytest.approx(245.0 / 400.0)  # 400GB/s = EFA's 3,200Gbps
+    inter = p.link("inter")  # 400GB/s = EFA's 3,200Gbps; α 5 µs per ring step: (7 + 7) steps
+    assert inter.latency_s == pytest.approx(14 * 5e-6)
+    assert inter.time_s == pytest.approx(245.0 / 400.0 + inter.latency_s)
 
 
 # --- the Turing Inc. guide, "Tensor Parallel infrastructure requirements" -------------------------------------
@@ -157,8 +159,13 @@ def test_interleaved_and_megatron_bubble_forms_of_design():
 
 
 def test_schedules_without_a_closed_form_bubble_say_so():
-    p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "zbv"}, microbatches=8)
+    p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "dualpipev"}, microbatches=8)
     assert (p.bubble, p.bubble_megatron) == (None, None) and "no closed form" in str(p)
+
+
+def test_zero_bubble_schedules_quote_the_papers_bubble_and_its_assumption():
+    p = plan(LLAMA70, gpus=4, parallel={"pp": 4, "schedule": "zbv"}, microbatches=8)
+    assert (p.bubble, p.bubble_megatron) == (0.0, 0.0) and "T_F = T_B = T_W" in str(p)
 
 
 def test_m_below_4p_warns_as_the_guide_advises():

@@ -51,4 +51,4 @@ def test_live_updates_and_the_static_figure():
     view.finish(heard_at=[1.0, 1.0])
     assert not any(row["stale"] for row in view.ranks)
     fig = plot_dashboard([record(r, s) for r in range(2) for s in range(4)])
-    assert [ax.get_title() for ax in fig.axes[:3]] == ["loss", "step time per rank", "per step (recent mean)"]
+    assert [ax.get_title() for ax in fig.axes[:3]] == ["loss", "step time per rank", "per step (recent median)"]

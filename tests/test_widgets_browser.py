@@ -229,8 +229,8 @@ def check_timelines_and_memory(page) -> None:
 
     page.locator(".cl-timeline").nth(1).scroll_into_view_if_needed()
     words = page.locator(".cl-timeline").nth(1).locator(".cl-bubble").inner_text()
-    for said in ("bubble fraction (p-1)/(m+p-1)", "Megatron's ratio (p-1)/m = bubble time / ideal time",
-                 "makespan", "first compute start to last compute end", "whole step", "optimizer"):
+    for said in ("bubble fraction (p-1)/(m+p-1)", "bubble time / ideal time (Megatron's ratio form)",
+                 "= schedule ", " + transfer ", " + other ", "makespan", "first compute start to last compute end", "whole step", "optimizer"):
         assert said in words, said
 
     memory = page.locator(".cl-memory").first

@@ -316,7 +316,8 @@ def test_plot_timeline_draws_one_lane_per_rank_and_a_box_per_compute_action():
     assert len([p for p in ax.patches if p.get_gid() in ("wait", "transfer")]) >= len(comm)
     assert len([p for p in ax.patches if p.get_gid() == "comm"]) == 4  # the optimizer step on each rank
     assert "measured bubble" in ax.get_title() and "synthetic" not in ax.get_title()
-    assert "bubble fraction (p-1)/(m+p-1)" in ax.get_title() and "bubble time / ideal time" in ax.get_title()
+    assert "bubble fraction (no closed form)" in ax.get_title() and "bubble time / ideal time" in ax.get_title()
+    assert "= schedule 0." in ax.get_title() and " + transfer " in ax.get_title() and " + other " in ax.get_title()
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[:3] == ["F forward", "I backward, input grad", "W backward, weight grad"]
 

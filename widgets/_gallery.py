@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernels.contract.measure_records import BubbleReport
+from kernels.contract.measure_records import BUBBLE_PARTS, BubbleReport
 from widgets._timeline import KINDS, _columns
 from widgets._vshape import v_path
 
 BOX_COLUMNS = ("rank", "stage", "kind", "mb", "chunk", "start", "end")
-BUBBLE_KEYS = ("schedule", "pp", "microbatches", "stages_per_rank", "mean", "theory", "makespan", "synthetic")
+BUBBLE_KEYS = ("schedule", "pp", "microbatches", "stages_per_rank", "mean", "theory", "makespan", "synthetic", "parts",
+               "planned", "theory_form")
 
 
 def _panel_inputs(runs: Any) -> list[tuple[str, Any, Any]]:
@@ -66,7 +67,12 @@ def bubble_words(b: dict[str, Any]) -> str:
     if not b:
         return "no bubble report"
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    m = "v·m" if b.get("stages_per_rank", 1) > 1 else "m"
     return (f"{b.get('schedule')} p={b.get('pp')} m={b.get('microbatches')}: measured bubble {fmt(b.get('mean'))}"
-            f" · theory (p-1)/({m}+p-1) {fmt(b.get('theory'))} · makespan {b.get('makespan', 0) * 1e3:.0f} ms"
-            + ("" if b.get("synthetic") else " · real compute"))
+            f" = {parts_words(b)} · theory {b.get('theory_form') or ''} {fmt(b.get('theory'))}"
+            f" · makespan {b.get('makespan', 0) * 1e3:.0f} ms" + ("" if b.get("synthetic") else " · real compute"))
+
+
+def parts_words(b: dict[str, Any]) -> str:
+    """The measured bubble's parts in a line: "schedule 0.321 + transfer 0.012 + other 0.020"."""
+    parts = b.get("parts") or {}
+    return " + ".join(f"{name} {parts[name]:.3f}" for name in BUBBLE_PARTS if name in parts) or "(not taken apart)"

@@ -28,6 +28,7 @@ import anywidget
 import traitlets
 
 from widgets._esm import view_module
+from widgets._gallery import parts_words
 from widgets._timeline import KINDS, LEGEND_ORDER, SHADES, _timeline_state
 
 _STATIC = pathlib.Path(__file__).parent / "static"
@@ -77,12 +78,12 @@ def _bubble_text(b: dict[str, Any], step_ms: float) -> str:
     if not b:
         return "no bubble report"
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    m = "v·m" if b.get("stages_per_rank", 1) > 1 else "m"
     mode = "synthetic costs" if b.get("synthetic") else "real compute (per-action overhead included)"
     return (f"{b.get('schedule', '')} p={b.get('pp')} m={b.get('microbatches')}, {mode}: measured bubble "
-            f"(mean idle share of the makespan) {fmt(b.get('mean'))}\n"
-            f"theory: bubble fraction (p-1)/({m}+p-1) = {fmt(b.get('theory'))} · Megatron's ratio (p-1)/{m} = "
-            f"bubble time / ideal time = {fmt(b.get('theory_megatron'))} (not a fraction)\n"
+            f"(mean idle share of the makespan) {fmt(b.get('mean'))} = {parts_words(b)}\n"
+            f"theory: bubble fraction {b.get('theory_form') or '(no closed form)'} = {fmt(b.get('theory'))} · "
+            f"bubble time / ideal time = {fmt(b.get('theory_megatron'))} (not a fraction) · "
+            f"planned order {fmt(b.get('planned'))}\n"
             f"makespan {b.get('makespan', 0) * 1e3:.1f} ms = first compute start to last compute end · whole step "
             f"{step_ms:.1f} ms = first to last traced event, incl. p2p, all-reduce, optimizer")
 

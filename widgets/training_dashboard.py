@@ -4,26 +4,27 @@ Input: ``kernels.contract.watch_records.StepProgress`` records or their dicts (c
 ``from_dict``), plus, while a run goes, when the driver last heard from each rank. Shown:
 the loss per step; per rank a strip of step times (one cell per step, darker = slower),
 compute against waiting in collectives, memory, and the age of the last record, which
-turns red (``data-stale``) past ``stale_after`` seconds. A rank whose compute is well
-above the others' median is marked the straggler. A finished run (``RunResult.progress``)
+turns red (``data-stale``) past ``stale_after`` seconds; in the head line, the run's tokens/s and,
+given the model's FLOPs per token and a device's peak, its MFU (``speed``). Compute and waiting are each rank's
+median over its recent steps, and the ranks whose compute stands out are marked stragglers,
+both by ``kernels.contract.stragglers`` (the rule ``RunResult.stragglers()`` applies to the
+same records). A finished run (``RunResult.progress``)
 replays in the same view: ``TrainingDashboard.replay(records)``.
 """
 from __future__ import annotations
 
 import pathlib
-import statistics
 import time
 from typing import Any
 
 import anywidget
 import traitlets
 
+from kernels.contract.stragglers import stragglers, typical
 from kernels.contract.watch_records import StepProgress
 from widgets._esm import view_module
 
 _STATIC = pathlib.Path(__file__).parent / "static"
-STRAGGLER_RATIO = 1.25  # compute this many times the median marks a straggler
-RECENT = 5  # steps the per-rank means are taken over
 
 
 def rank_rows(records: list[Any], world_size: int, heard_at: list[float | None] | None = None,
@@ -36,24 +37,33 @@ def rank_rows(records: list[Any], world_size: int, heard_at: list[float | None] 
     rows = []
     for rank, mine in sorted(by_rank.items()):
         mine.sort(key=lambda r: r.step)
-        recent = mine[-RECENT:]
         heard = (heard_at or [])[rank] if heard_at and rank < len(heard_at) else None
         age = None if heard is None else max(0.0, now - heard)
         rows.append({"rank": rank, "step": mine[-1].step if mine else None,
                      "step_s": [r.step_s for r in mine],
-                     "compute_s": statistics.fmean(r.compute_s for r in recent) if recent else 0.0,
-                     "collective_s": statistics.fmean(r.collective_s for r in recent) if recent else 0.0,
+                     "compute_s": typical({r.step: r.compute_s for r in mine}),
+                     "collective_s": typical({r.step: r.collective_s for r in mine}),
                      "memory_bytes": mine[-1].memory_bytes if mine else None,
                      "memory_kind": mine[-1].memory_kind if mine else "",
                      "heard_at": heard, "age_s": age,
                      "stale": not finished and age is not None and age > stale_after,
                      "straggler": False})
-    computes = [row["compute_s"] for row in rows if row["step"] is not None]
-    if len(computes) > 1:
-        median = statistics.median(computes)
-        for row in rows:
-            row["straggler"] = row["step"] is not None and median > 0 and row["compute_s"] > STRAGGLER_RATIO * median
+    slow = stragglers({row["rank"]: row["compute_s"] for row in rows if row["step"] is not None})
+    for row in rows:
+        row["straggler"] = row["rank"] in slow
     return rows
+
+
+def speed(records: list[Any], world_size: int, flops_per_token: float | None = None,
+          peak_flops: float | None = None) -> dict[str, float | None]:
+    """The run's tokens/s (each step's slowest rank, typical over the recent steps) and, given the model's
+    FLOPs per token and one device's peak FLOP/s, its MFU (docs/design.md#overlap-model-flops-and-mfu)."""
+    slowest: dict[int, float] = {}
+    for record in (StepProgress.coerce(r) for r in records):
+        slowest[record.step] = min(slowest.get(record.step, record.tokens_per_s), record.tokens_per_s)
+    rate = typical(slowest)
+    mfu = rate * flops_per_token / (peak_flops * world_size) if rate and flops_per_token and peak_flops else None
+    return {"tokens_per_s": rate if slowest else None, "mfu": mfu}
 
 
 def losses(records: list[Any]) -> list[list[float]]:
@@ -78,21 +88,26 @@ class TrainingDashboard(anywidget.AnyWidget):
     loss = traitlets.List().tag(sync=True)  # [[step, loss]]
     ranks = traitlets.List().tag(sync=True)  # rank_rows(...)
     clock = traitlets.Float(0.0).tag(sync=True)  # the driver's wall clock when ranks was computed
+    speed = traitlets.Dict().tag(sync=True)  # speed(...): tokens_per_s, mfu (None without a peak)
 
     def __init__(self, records: list[Any] | None = None, *, world_size: int, steps: int = 0, stale_after: float = 5.0,
-                 heard_at: list[float | None] | None = None, finished: bool = False, **kwargs: Any) -> None:
+                 heard_at: list[float | None] | None = None, finished: bool = False,
+                 flops_per_token: float | None = None, peak_flops: float | None = None, **kwargs: Any) -> None:
         self._records = [StepProgress.coerce(r) for r in records or []]
+        self._flops = (flops_per_token, peak_flops)  # the model's FLOPs per token, one device's peak FLOP/s
         now = time.time()
         super().__init__(world_size=world_size, steps=steps, stale_after=stale_after, finished=finished,
-                         loss=losses(self._records), clock=now,
+                         loss=losses(self._records), clock=now, speed=speed(self._records, world_size, *self._flops),
                          ranks=rank_rows(self._records, world_size, heard_at, now, stale_after, finished), **kwargs)
 
     @classmethod
-    def replay(cls, records: list[Any], *, world_size: int | None = None, steps: int = 0) -> "TrainingDashboard":
+    def replay(cls, records: list[Any], *, world_size: int | None = None, steps: int = 0,
+               flops_per_token: float | None = None, peak_flops: float | None = None) -> "TrainingDashboard":
         """A finished run's view from its saved records (``RunResult.progress``)."""
         parsed = [StepProgress.coerce(r) for r in records]
         size = world_size if world_size is not None else 1 + max((r.rank for r in parsed), default=-1)
-        return cls(parsed, world_size=size, steps=steps or max((r.steps for r in parsed), default=0), finished=True)
+        return cls(parsed, world_size=size, steps=steps or max((r.steps for r in parsed), default=0), finished=True,
+                   flops_per_token=flops_per_token, peak_flops=peak_flops)
 
     def add(self, records: list[Any], heard_at: list[float | None] | None = None) -> None:
         """Show new records (and when each rank was last heard from)."""
@@ -109,6 +124,7 @@ class TrainingDashboard(anywidget.AnyWidget):
         with self.hold_sync():
             self.clock = now
             self.loss = losses(self._records)
+            self.speed = speed(self._records, self.world_size, *self._flops)
             self.ranks = rank_rows(self._records, self.world_size, heard_at, now, self.stale_after, self.finished)
 
     @property
@@ -139,7 +155,7 @@ def plot_dashboard(records: list[Any], world_size: int | None = None):
     ax_split.barh(ranks, compute, color="#2f6fd0", label="compute")
     ax_split.barh(ranks, [1e3 * row["collective_s"] for row in rows], left=compute, color="#e0a030",
                   label="waiting in collectives")
-    ax_split.set(title="per step (recent mean)", xlabel="ms", ylabel="rank")
+    ax_split.set(title="per step (recent median)", xlabel="ms", ylabel="rank")
     ax_split.invert_yaxis()
     ax_split.legend(fontsize=7)
     fig.tight_layout()

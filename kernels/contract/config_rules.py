@@ -28,6 +28,9 @@ from kernels.contract.layout_rules import FSDP_STRATEGIES
 Problem = tuple[str, str]  # (rule name, message in words)
 
 MIXED_PRECISION = (None, "bf16")
+# activation_checkpointing: off, every block recomputed (True), or only what is cheap to recompute ("selective":
+# kernels.parallel.activation_checkpoint keeps the matmul outputs).
+CHECKPOINTING = (False, True, "selective")
 MODEL_SIZES = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff")
 MODEL_KEYS = (*MODEL_SIZES, "bias")
 # A Llama 3 (kernels.model.llama) names its family; kv_heads may be None (= heads).
@@ -80,6 +83,14 @@ def flag_problems(flags: Mapping[str, Any]) -> list[Problem]:
     """[bool-flags]: every switch is True or False; 1, "yes" or None are refused, not read as truthy."""
     bad = [f"{name}={value!r}" for name, value in flags.items() if not isinstance(value, bool)]
     return [("bool-flags", f"switches must be True or False: {', '.join(bad)}")] if bad else []
+
+
+def checkpointing_problems(value: Any) -> list[Problem]:
+    """[activation-checkpointing]: False, True (full) or "selective"; 1, "full" or None are refused, not guessed."""
+    if isinstance(value, bool) or (isinstance(value, str) and value in CHECKPOINTING):
+        return []
+    return [("activation-checkpointing", "activation_checkpointing must be False, True (recompute each block) or "
+             f"'selective' (recompute all but the matmuls), got {value!r}")]
 
 
 def sharding_problems(zero: Any, fsdp_strategy: Any, mixed_precision: Any) -> list[Problem]:

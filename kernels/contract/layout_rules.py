@@ -165,17 +165,39 @@ def bubble_theory(schedule: str, pp: int, microbatches: int,
                   stages_per_rank: int = 1) -> tuple[float | None, float | None]:
     """(bubble share of the step, Megatron's bubble-to-ideal ratio) of a schedule, or (None, None).
 
-    GPipe and 1F1B: (p-1)/(m+p-1) and (p-1)/m; interleaved and looped with v stages per
-    rank: (p-1)/(v*m+p-1) and (p-1)/(v*m) (Narayanan et al., 2021). The zero-bubble
-    schedules and DualPipeV have no such closed form: compare them with 1F1B instead.
+    The share is ratio / (1 + ratio). GPipe and 1F1B: ratio (p-1)/m; interleaved and looped with
+    v stages per rank: (p-1)/(v*m) (Narayanan et al., 2021). The zero-bubble family (Qi et al.,
+    2024), with T_F = T_B = T_W as the paper assumes (the lab's synthetic F = I = W): ZB-H1 has
+    (p-1)/(3m), which for torch's interleaved zero bubble, v stages per rank, we take as
+    (p-1)/(3*v*m) (our extension: each stage's actions last 1/v); ZB-V has 0. DualPipeV's bubble
+    depends on how much a fused forward-backward overlaps, so it has no closed form here:
+    compare it with its planned order (``BubbleReport.planned``).
     """
     p, m = pp, microbatches
     v = 1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank
     if min(p, m, v) < 1:
         raise ValueError(f"pp, microbatches and stages_per_rank must be >= 1, got {p}, {m}, {v}")
-    if schedule not in CLOSED_FORM_BUBBLE_SCHEDULES:
+    if schedule in CLOSED_FORM_BUBBLE_SCHEDULES:
+        ratio = (p - 1) / (v * m)
+    elif schedule == Schedule.INTERLEAVED_ZERO_BUBBLE:
+        ratio = (p - 1) / (3 * v * m)
+    elif schedule == Schedule.ZBV:
+        ratio = 0.0
+    else:
         return None, None
-    return (p - 1) / (v * m + p - 1), (p - 1) / (v * m)
+    return ratio / (1 + ratio), ratio
+
+
+def bubble_theory_form(schedule: str, stages_per_rank: int = 1) -> str:
+    """The closed form ``bubble_theory`` uses for a schedule, as the views print it ("" where there is none)."""
+    vm = "m" if schedule in SINGLE_STAGE_SCHEDULES or stages_per_rank == 1 else "v·m"
+    if schedule in CLOSED_FORM_BUBBLE_SCHEDULES:
+        return f"(p-1)/({vm}+p-1)"
+    if schedule == Schedule.INTERLEAVED_ZERO_BUBBLE:
+        return f"ZB-H1: ratio (p-1)/(3·{vm}), T_F = T_B = T_W"
+    if schedule == Schedule.ZBV:
+        return "ZB-V: 0 at T_F = T_B = T_W"
+    return ""
 
 
 def mesh_order_problems(order: object) -> list[tuple[str, str]]:

@@ -1,5 +1,5 @@
 """What the ranks measure: pipeline traces, clocks and the bubble, memory and communication, collective
-benchmarks, the layout each rank built, and its memory through a traced step.
+benchmarks, the layout each rank built, its memory through a traced step, and a run's throughput.
 
 Shapes and rules of every record: ``kernels.contract.records``. Standard library only: the widgets import it.
 """
@@ -66,6 +66,15 @@ class BubbleReport(Record):
     synthetic: bool = False  # fixed synthetic action costs (comparable with theory)
     step: int = 0
     clock_uncertainty: float = 0.0  # worst rank's alignment uncertainty, seconds
+    # The idle share taken apart (lab/measure/bubble_parts.py): schedule | transfer | other. ``parts`` are
+    # the means over ranks and sum to ``mean``; ``rank_parts`` hold each rank's, in ``ranks`` order.
+    parts: dict[str, float] = field(default_factory=dict)
+    planned: float | None = None  # the planned order's idle share at T_F = T_B = T_W, zero-latency transfer
+    theory_form: str = ""  # the closed form ``theory`` comes from, in words (layout_rules.bubble_theory_form)
+    rank_parts: dict[str, list[float]] = field(default_factory=dict)  # lists: a JSON round trip keeps them equal
+
+
+BUBBLE_PARTS = ("schedule", "transfer", "other")  # BubbleReport.parts, in the order they are shown
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,8 @@ class BenchRecord(Record):
     busbw: float  # algbw × factor, bytes/s
     factor: float  # nccl-tests: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, else 1
     link: str = ""  # "intra": groups inside each host, "inter": groups of one rank per host; "": the whole world
+    alpha_s: float | None = None  # the α–β fit of this op and link over the sweep's sizes: seconds per ring step
+    fit_busbw: float | None = None  # the same fit's bandwidth, bytes/s (None: a single size, nothing to fit)
 
 
 @dataclass(frozen=True)
@@ -200,3 +211,29 @@ class MemorySample(Record):
     def total(self) -> int:
         """The four categories together."""
         return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Throughput(Record):
+    """A run's speed: tokens per second, model FLOPs and MFU, and how much communication compute hid.
+
+    Made by ``lab.measure.throughput`` (docs/design.md#overlap-model-flops-and-mfu). ``step_s`` is the
+    median step of the slowest rank, the first step left out when there are more; ``mfu`` (model FLOPs)
+    and ``hfu`` (with recomputation) are None without a peak. ``comm_s``, ``busy_s`` and ``overlap_s``
+    are per-step means over ranks (``StepWait``): collectives in flight, compute, and the two at once.
+    """
+
+    tokens_per_step: int
+    step_s: float
+    tokens_per_s: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    flops_per_s: float  # model FLOPs per second, every device together
+    devices: int
+    peak_flops: float | None  # one device's
+    mfu: float | None
+    hfu: float | None
+    formula: str
+    comm_s: float | None = None
+    busy_s: float | None = None
+    overlap_s: float | None = None

@@ -50,13 +50,18 @@ def ready_time(action: Action, done: Mapping[tuple[int, str, int], float], last_
 
 
 def lay_out(orders: Mapping[int, list[Action]], costs: Mapping[str, float], *,
-            force_when_stuck: bool = False) -> list[Placed]:
+            force_when_stuck: bool = False, action_costs: Mapping[Action, float] | None = None,
+            latency: Mapping[Action, float] | None = None) -> list[Placed]:
     """Start every rank's actions in order, each once its rank is free and its input exists.
 
-    Returns the actions in the order they were placed. Orders that would wait forever
-    raise ValueError naming the stuck actions, unless ``force_when_stuck``: then the
-    stuck rank that is free first runs its next action anyway (to draw a broken plan).
+    ``costs`` are per letter; ``action_costs`` (per action) override them, as when replaying
+    a measured step. ``latency`` adds a delay between an action's input existing and the action
+    being able to use it (a measured p2p hop). Returns the actions in the order they were placed.
+    Orders that would wait forever raise ValueError naming the stuck actions, unless
+    ``force_when_stuck``: then the stuck rank that is free first runs its next action anyway
+    (to draw a broken plan).
     """
+    action_costs, latency = action_costs or {}, latency or {}
     orders = {r: [tuple(a) for a in acts] for r, acts in orders.items() if acts}
     last_stage = max((a[0] for order in orders.values() for a in order), default=0)
     pos, free = dict.fromkeys(orders, 0), dict.fromkeys(orders, 0.0)
@@ -64,9 +69,11 @@ def lay_out(orders: Mapping[int, list[Action]], costs: Mapping[str, float], *,
     out: list[Placed] = []
 
     def place(r: int, ready: float) -> None:
-        stage, letter, mb = orders[r][pos[r]]
-        start = max(free[r], ready)
-        free[r] = end = start + costs[letter]
+        action = orders[r][pos[r]]
+        stage, letter, mb = action
+        start = max(free[r], ready + latency.get(action, 0.0))
+        cost = action_costs[action] if action in action_costs else costs[letter]
+        free[r] = end = start + cost
         done[(stage, "G" if letter in ("B", "I") else letter, mb)] = end
         out.append(Placed(r, stage, letter, mb, start, end))
         pos[r] += 1

@@ -63,7 +63,7 @@ class Strategy(Record):
     dp_replicate: int = 1  # HSDP replica groups (1 without HSDP)
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True: each block recomputed; "selective": all but its matmuls
     mixed_precision: str | None = None  # "bf16": FSDP2's MixedPrecisionPolicy, or autocast without FSDP2
     cpu_offload: bool = False
     compile: bool = False  # torch.compile each block
@@ -130,7 +130,9 @@ class Strategy(Record):
             parts.append(f"{self.schedule} with {self.microbatches} micro-batches{v}")
         elif self.microbatches > 1:
             parts.append(f"{self.microbatches} accumulated micro-batches")
-        parts += [words for name, words in _FLAG_WORDS if getattr(self, name) and (name != "loss_parallel" or self.tp > 1)]
+        selective = self.activation_checkpointing == "selective"
+        parts += [f"selective {words}" if name == "activation_checkpointing" and selective else words
+                  for name, words in _FLAG_WORDS if getattr(self, name) and (name != "loss_parallel" or self.tp > 1)]
         parts += [self.mixed_precision] if self.mixed_precision else []
         if self.mesh_order != MESH_AXES:
             parts.append("rank order " + ",".join(self.mesh_order))
@@ -170,8 +172,8 @@ def layout_problems(*, dp: Any = 1, tp: Any = 1, pp: Any = 1, zero: Any = 0, fsd
                                      {"microbatches": microbatches, "stages_per_rank": stages_per_rank,
                                       "dp_replicate": dp_replicate})
     out += config_rules.flag_problems({"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
-                                       "activation_checkpointing": activation_checkpointing,
                                        "cpu_offload": cpu_offload, "compile": compile})
+    out += config_rules.checkpointing_problems(activation_checkpointing)
     out += config_rules.sharding_problems(zero, fsdp_strategy, mixed_precision)
     out += mesh_order_problems(mesh_order)
     schedule = _schedule(schedule)
@@ -185,7 +187,7 @@ def layout_problems(*, dp: Any = 1, tp: Any = 1, pp: Any = 1, zero: Any = 0, fsd
 def resolve_strategy(*, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, fsdp_strategy: str | None = None,
                      dp_replicate: int | None = None, schedule: str = "1f1b", microbatches: int | None = None,
                      stages_per_rank: int | None = None, sequence_parallel: bool = False,
-                     loss_parallel: bool = False, activation_checkpointing: bool = False,
+                     loss_parallel: bool = False, activation_checkpointing: bool | str = False,
                      mixed_precision: str | None = None, cpu_offload: bool = False, compile: bool = False,
                      mesh_order: tuple[str, ...] = MESH_AXES) -> Strategy:
     """The one Strategy a layout's fields (``lab.Parallel``'s, plus ``compile``) mean.

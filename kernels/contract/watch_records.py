@@ -63,6 +63,10 @@ class StepWait(Record):
     grad_sync_s: float  # inside collectives entered during backward: the gradient all-reduce/reduce-scatter
     compute_s: float  # step_s - wait_s
     collectives: int  # how many collectives the rank entered in the step
+    # docs/design.md#overlap-model-flops-and-mfu (kernels.watch.overlap): forward and backward windows less
+    # the main thread's waits for collectives, and the part of that during which a collective was in flight
+    busy_s: float = 0.0
+    overlap_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ Activations (``SavedActivations``): a ``torch.autograd.graph.saved_tensors_hooks
 pack hook sees every tensor autograd saves in forward; the bytes of the unique
 storages behind them, leaving out parameters' storages, are the activations held at
 the end of forward (autograd keeps them all until backward uses them); ``parts`` splits them by
-the part of the model that saved them (``kernels.measure.activation_parts``). On CUDA the
+the part of the model that saved them (``kernels.measure.activation_parts``). Under selective
+checkpointing the outputs its policy keeps live in its own cache, not behind the hook: its
+policy shows them to ``SavedActivations`` (``observe_selective_saves``). On CUDA the
 allocator's own figures are reported beside them (``None`` on CPU):
 ``torch.cuda.memory_allocated`` at the moment (``cuda_allocated``: every live tensor,
 the tensors counted above included) and ``torch.cuda.max_memory_allocated`` since the
@@ -56,6 +58,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from kernels.measure.activation_parts import PartTracker
+from kernels.parallel.activation_checkpoint import observe_selective_saves
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -142,6 +145,17 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved += 1
+        self._count(t)
+        return t
+
+    def _kept_by_selective(self, output: Any) -> None:
+        """Selective checkpointing keeps these op outputs in its own cache, unseen by the pack hook: count them too."""
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor):
+                self.saved += 1
+                self._count(t)
+
+    def _count(self, t: torch.Tensor) -> None:
         local = local_tensor(t)
         nbytes = local.untyped_storage().nbytes()
         key = _storage_key(local)
@@ -151,14 +165,16 @@ class SavedActivations:
                 self.storages[key] = nbytes
                 part = self._tracker.current()
                 self.parts[part] = self.parts.get(part, 0) + nbytes
-        return t
 
     def __enter__(self) -> "SavedActivations":
         self._tracker.__enter__()
         self._hooks.__enter__()
+        self._selective = observe_selective_saves(self._kept_by_selective)
+        self._selective.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._selective.__exit__(*exc)
         self._hooks.__exit__(*exc)
         self._tracker.__exit__(*exc)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from kernels.measure.memory import local_tensor, model_state_bytes
+from kernels.measure.memory import local_tensor, model_state_bytes, optimizer_state
 
 
 class _Held:
@@ -42,6 +42,11 @@ class _Held:
         self.tensor = tensor
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a linear saves its weight's transpose)."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
 class LiveActivations:
     """Bytes of the unique non-parameter storages autograd holds for backward at this instant."""
 
@@ -50,6 +55,18 @@ class LiveActivations:
         self.bytes = 0
         self._tokens: dict[int, int] = {}  # storage key -> live tokens
         self._sizes: dict[int, int] = {}
+        self._param_keys: set[int] | None = None  # parameters' storages, looked up once per action
+
+    def forget_parameters(self) -> None:
+        """Look the parameters' storages up again at the next save (an action may have resharded them)."""
+        self._param_keys = None
+
+    def _parameter_storages(self) -> set[int]:
+        # A walk over every parameter per saved tensor cost about a quarter of a forward; once per action is enough,
+        # because FSDP2's unsharded parameters are caught by _is_parameter before this.
+        if self._param_keys is None:
+            self._param_keys = {local_tensor(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        return self._param_keys
 
     def _pack(self, t: torch.Tensor) -> Any:
         local = local_tensor(t)
@@ -58,7 +75,7 @@ class LiveActivations:
         if not nbytes:
             return t
         if key not in self._tokens:
-            if key in {local_tensor(p).untyped_storage().data_ptr() for p in self.model.parameters()}:
+            if _is_parameter(t) or key in self._parameter_storages():
                 return t
             self._tokens[key], self._sizes[key] = 0, nbytes
             self.bytes += nbytes
@@ -92,15 +109,31 @@ class MemorySampler:
         self.live = LiveActivations(model)
         self.step = 0
         self._raw: list[tuple[Any, dict[str, Any]]] = []
+        self._signature: tuple | None = None
+        self._states: dict[str, int] = {}
 
     def sample(self, kind: str, stage: int | None = None, microbatch: int | None = None, action: str = "") -> None:
         """Record what this rank holds now, after ``kind`` (an action of the trace, or "start")."""
-        states = model_state_bytes(self.model, self.optimizer)
+        mark = self.clock.mark()
+        signature = self._state_signature()
+        if signature != self._signature:  # model states change at few actions: a first backward, the optimizer step
+            self._signature, self._states = signature, model_state_bytes(self.model, self.optimizer)
+        self.live.forget_parameters()
         cuda = int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else None
-        self._raw.append((self.clock.mark(), {
+        self._raw.append((mark, {
             "rank": self.rank, "kind": kind, "stage": stage, "microbatch": microbatch, "action": action,
-            "params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+            "params": self._states["params"], "grads": self._states["grads"], "optimizer": self._states["optimizer"],
             "activations": self.live.bytes, "cuda_allocated": cuda, "step": self.step}))
+
+    def _state_signature(self) -> tuple:
+        """Which tensors hold parameters, gradients and optimizer state now: equal signatures, equal bytes.
+
+        Comparing identities costs a tenth of measuring the bytes (which walks storages and the optimizer's state).
+        """
+        params = [*self.model.parameters(), *(p for g in self.optimizer.param_groups for p in g["params"])]
+        grads = tuple(id(p.grad) if p.grad is not None else 0 for p in params)
+        states = tuple(id(v) for s in optimizer_state(self.optimizer).values() for v in s.values())
+        return tuple(map(id, params)), grads, states
 
     def records(self, clock_sync: dict | None = None) -> list[dict[str, Any]]:
         """``kernels.contract.measure_records.MemorySample`` dicts, ``t`` in seconds since rank 0's epoch (as the trace's events)."""

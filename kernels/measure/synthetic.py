@@ -18,7 +18,9 @@ Targets, with ``t`` the forward time of one micro-batch through *one rank's whol
 share* of the model and v stages per rank (each stage holds 1/v of that share):
 
 - forward F: t/v;  full backward B: 2t/v;
-- zero-bubble split: input-grad I: t/v and weight-grad W: t/v (I + W = B).
+- zero-bubble split: input-grad I: t/v and weight-grad W: t/v (I + W = B);
+- on a rank made slow (``lab.Slow(rank, f)``) every target times f (``scale``), so the
+  slow-down shows in the padded actions instead of vanishing inside the pad.
 
 Run alone (prints the targets and checks one padded action)::
 
@@ -45,17 +47,18 @@ class SyntheticCost:
 
     forward_s: float  # t: one micro-batch's forward through one rank's share of the model
     stages_per_rank: int = 1  # v: each stage's targets are divided by v
+    scale: float = 1.0  # this rank's Slow factor: every target times it
     overruns: int = field(default=0, init=False)  # actions whose real compute exceeded the target
     worst_overrun_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
-        if self.forward_s <= 0 or self.stages_per_rank < 1:
-            raise ValueError(f"SyntheticCost needs forward_s > 0 and stages_per_rank >= 1, "
-                             f"got {self.forward_s}, {self.stages_per_rank}")
+        if self.forward_s <= 0 or self.stages_per_rank < 1 or self.scale < 1:
+            raise ValueError(f"SyntheticCost needs forward_s > 0, stages_per_rank >= 1 and scale >= 1, "
+                             f"got {self.forward_s}, {self.stages_per_rank}, {self.scale}")
 
     def target(self, action: str) -> float:
         """Seconds one action (F, B, I or W) should last on one stage."""
-        return ACTION_UNITS[action] * self.forward_s / self.stages_per_rank
+        return ACTION_UNITS[action] * self.forward_s * self.scale / self.stages_per_rank
 
     def pad(self, start: float, action: str) -> None:
         """Sleep until ``start + target(action)`` on the ``time.perf_counter`` clock."""
@@ -68,7 +71,7 @@ class SyntheticCost:
 
     def summary(self) -> dict:
         """Plain record of the settings and how often real compute did not fit."""
-        return {"forward_s": self.forward_s, "stages_per_rank": self.stages_per_rank,
+        return {"forward_s": self.forward_s, "stages_per_rank": self.stages_per_rank, "scale": self.scale,
                 "targets_s": {a: self.target(a) for a in ACTION_UNITS},
                 "overruns": self.overruns, "worst_overrun_s": self.worst_overrun_s}
 

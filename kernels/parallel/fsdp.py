@@ -44,12 +44,14 @@ _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hybrid: bool = False,
-               mixed_precision: str | None = None, cpu_offload: bool = False) -> nn.Module:
+               mixed_precision: str | None = None, cpu_offload: bool = False, prefetch: bool = False) -> nn.Module:
     """Shard ``model`` with ``fully_shard``: every block first, then the root.
 
     ``dp_mesh``: the 1D dp sub-mesh, or for ``hybrid`` the 2D (dp_replicate, dp_shard)
     mesh from ``kernels.parallel.mesh.build_hsdp_mesh``. ``zero_stage`` 2 keeps parameters
-    whole from forward to backward, 3 frees them after each unit's forward.
+    whole from forward to backward, 3 frees them after each unit's forward. ``prefetch``
+    (a whole model, not a pipeline stage) overlaps all-gathers with compute on a CPU mesh
+    too (``_prefetch_on_cpu``).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage!r}")
@@ -72,7 +74,25 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hy
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+    if prefetch and dp_mesh.device_type == "cpu":
+        _prefetch_on_cpu(model)
     return model
+
+
+def _prefetch_on_cpu(model: nn.Module) -> None:
+    """Gather the next unit while this one computes, on the CPU as FSDP2 does on a GPU.
+
+    On a GPU FSDP2 overlaps by streams: the next unit's all-gather runs on its own stream while
+    the host runs ahead. CPU streams are no-ops, so there every all-gather would block the rank
+    before its unit. Async unshards (a private switch: torch has no public one) put the all-gather
+    on gloo's thread, and explicit forward prefetching issues unit i+1's as unit i starts (the root
+    issues the first block's); backward prefetches the previous unit by default. The maths is the
+    same; one more unit is whole at a time, as on a GPU (docs/design.md#overlap-model-flops-and-mfu).
+    """
+    blocks = list(model.blocks.values())
+    model._set_unshard_async_op(True)  # every FSDP unit under the root
+    for unit, following in zip([model, *blocks], blocks):
+        unit.set_modules_to_forward_prefetch([following])
 
 
 def _is_gloo(mesh: DeviceMesh) -> bool:

@@ -7,7 +7,8 @@ DDP: Li et al., 2020). The order is fixed, and each step needs the one before:
 1. TP first: ``parallelize_module`` turns whole ``nn.Linear`` weights into DTensors
    on the tp axis, and must see the original submodules.
 2. Activation checkpointing wraps each block's forward, so a block's recompute in
-   backward runs the TP collectives again, inside the block.
+   backward runs the TP collectives again, inside the block (selective checkpointing
+   keeps the collectives' outputs instead).
 3. Compilation (``compile=True``): each block with ``torch.compile``, after AC so the
    graphs see the checkpointed blocks, before FSDP so FSDP's hooks stay outside them.
 4. bf16 autocast (``Strategy.autocast``: bf16 where FSDP2's policy does not apply)
@@ -44,15 +45,16 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, dp_mesh:
     """
     if strategy.tp > 1:  # 1. TP: DTensors on the tp axis
         apply_tp(model, mesh["tp"], sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel)
-    if strategy.activation_checkpointing:  # 2. AC: per block, inside FSDP's units
-        apply_ac(model)
+    if strategy.activation_checkpointing:  # 2. AC (full or selective): per block, inside FSDP's units
+        apply_ac(model, strategy.activation_checkpointing)
     if strategy.compile:  # 3. torch.compile, per block
         apply_compile(model)
     if strategy.autocast:  # 4. bf16 without FSDP2: autocast around forward
         apply_autocast(model, mesh.device_type)
     if strategy.grad_sync is GradSync.FSDP:  # 5a. FSDP on the dp axis (2D with TP)
         apply_fsdp(model, dp_mesh if dp_mesh is not None else mesh["dp"], zero_stage=strategy.zero,
-                   hybrid=strategy.hybrid, mixed_precision=strategy.mixed_precision, cpu_offload=strategy.cpu_offload)
+                   hybrid=strategy.hybrid, mixed_precision=strategy.mixed_precision, cpu_offload=strategy.cpu_offload,
+                   prefetch=strategy.pp == 1)
     elif strategy.grad_sync in (GradSync.DDP, GradSync.ZERO1) and strategy.pp == 1 and strategy.dp > 1:  # 5b. DDP
         model = apply_ddp(model, mesh["dp"])
     return model

@@ -143,9 +143,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--synthetic-forward-s", type=float, help="with --trace: pad every action to this cost")
     p.add_argument("--checkpoint-dir", help="save after the last step (kernels.train.run_checkpoints)")
     p.add_argument("--resume-from", help="a checkpoint directory or step to resume from, under any layout")
-    for flag in ("sequence-parallel", "loss-parallel", "activation-checkpointing", "cpu-offload", "compile", "trace",
-                 "measure"):
+    for flag in ("sequence-parallel", "loss-parallel", "cpu-offload", "compile", "trace", "measure"):
         p.add_argument(f"--{flag}", action="store_true")
+    p.add_argument("--activation-checkpointing", nargs="?", const=True, default=False, choices=("selective",),
+                   help="recompute each block in backward; 'selective': all but its matmuls")
     a = vars(p.parse_args(argv))
     model = {k: a.pop(k) for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len")}
     return RunConfig.from_options({"model": model, "return_params": False, **a})

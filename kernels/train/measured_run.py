@@ -19,7 +19,9 @@ which the training loop calls at fixed points of the step (``kernels.train.step_
 
 With pp > 1 (``PipelineProbe``) a whole schedule step runs (m micro-batches) and
 only the ``at_rest`` moment is taken: forward and backward interleave inside the
-schedule, so there is no single moment between them. Stage-boundary p2p is metered at
+schedule, so there is no single moment between them. Instead the most activations
+held at once over the step are kept, by part (``activations_held``,
+``kernels.measure.activation_peak``). Stage-boundary p2p is metered at
 the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
 torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p
 alone here (``_CollectiveMeter``). Config keys are ``kernels.contract.run_config.RunConfig``'s;
@@ -30,7 +32,7 @@ Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
 {"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
 "comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
 "step_seconds", "loss", "device", "microbatches", "optimizer"}``; with pp also ``"stage_ids",
-"num_stages", "micro_batch"`` (memory: ``at_rest`` only).
+"num_stages", "micro_batch", "activations_held"`` (memory: ``at_rest`` only).
 
 Run alone through the rank entry point (ZeRO-3 on 4 ranks, prints rank 0's memory and comm)::
 
@@ -49,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels.watch.comm import CommMeter, route_ddp_through_python, unmetered
 from kernels.watch.dist_names import DIST_OPS, P2P
+from kernels.measure.activation_peak import PeakActivations
 from kernels.measure.memory import SavedActivations, snapshot
 
 
@@ -148,12 +151,20 @@ class PipelineProbe(StepProbe):
     def __init__(self, model: nn.Module, optimizer, device: torch.device, stages: list) -> None:
         super().__init__(model, optimizer, device, _CollectiveMeter())
         self.stages = stages
+        self.held: dict[str, Any] | None = None  # the peak of activations held over the step, once measured
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Meter the whole schedule step, dp gradient reduction and optimizer step (one session)."""
-        with meter_stage_sends(self.stages, self.meter), self.metered():
+        """Meter the whole schedule step, dp gradient reduction and optimizer step (one session), and keep the most
+        activations held at once over it (``activations_held``, by part)."""
+        peak = PeakActivations(self.model)
+        with meter_stage_sends(self.stages, self.meter), self.metered(), peak.counting():
             yield
+        self.held = {"activations": peak.peak, "activation_parts": peak.peak_parts}
+
+    def rows(self) -> dict[str, Any]:
+        """The measured part of the record, with the peak of the activations held over the schedule step."""
+        return {**super().rows(), "activations_held": self.held}
 
 
 def step_probe(model: nn.Module, optimizer, device: torch.device) -> StepProbe:

@@ -161,8 +161,7 @@ class RankBuild:
         return measure_record(layout, self.dims, self.device, probe, strategy=self.strategy.kind, loss=loss,
                               optimizer=self.run.optimizer,
                               num_stages=self.pipe.num_stages, microbatches=self.pipe.num_microbatches,
-                              micro_batch=self.run.global_batch // (self.dims.dp * self.pipe.num_microbatches),
-                              tied_bytes=self.tied.payload_bytes if self.tied else 0)
+                              tied_bytes=self.tied.payload_bytes if self.tied else 0, **self._activation_sizes())
 
     def _activation_sizes(self) -> dict[str, Any]:
         """What ``kernels.contract.activation_rules`` needs to predict the measured activations by part: the model's sizes,
@@ -171,7 +170,8 @@ class RankBuild:
         return {"model": dict(run.model),
                 "micro_batch": run.global_batch // (self.dims.dp * s.microbatches),
                 "activation_checkpointing": s.activation_checkpointing, "mixed_precision": s.mixed_precision,
-                "sequence_parallel": s.sequence_parallel}
+                "precision": "autocast" if s.autocast else ("bf16" if s.mixed_precision else "fp32"),
+                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel, "compile": s.compile}
 
     def trace_record(self, tracer: PipelineTracer) -> dict[str, Any]:
         """The pipeline tracer's record of this rank's place in the mesh."""

@@ -13,7 +13,8 @@ costs what it did), both on the last step only:
   and the optimizer step (GPipe: Huang et al., 2019; 1F1B: Narayanan et al., 2019).
   ``synthetic_forward_s`` pads every action to a fixed cost
   (``kernels.measure.synthetic.SyntheticCost``, v = this rank's stage count) so the bubble is
-  comparable with theory; real compute with more ranks on a host than cores warns. Given the
+  comparable with theory (on a ``lab.Slow`` rank each cost times its factor, so the slow stage's
+  busy time grows by it); real compute with more ranks on a host than cores warns. Given the
   rank's stages and optimizer, it also samples memory after each action
   (``kernels.measure.memory_timeline``; the record's ``memory``).
 
@@ -36,6 +37,7 @@ from kernels.parallel.pipeline import PipelineRuntime, planned_compute_order
 from kernels.contract.run_config import RunConfig
 from kernels.measure.synthetic import SyntheticCost, oversubscription_warning
 from kernels.measure.trace import TraceRecorder, align_clocks, traced
+from kernels.watch.faults import faults_for, pacing_for
 
 
 class PipelineTracer:
@@ -44,9 +46,9 @@ class PipelineTracer:
     def __init__(self, run: RunConfig, runtime: PipelineRuntime, device: torch.device,
                  model: torch.nn.Module | None = None, optimizer: Any = None) -> None:
         self.runtime, self.device, self.rounds = runtime, device, run.align_rounds
-        forward_s = run.synthetic_forward_s
-        self.synthetic = SyntheticCost(float(forward_s), len(runtime.stage_ids)) if forward_s else None
-        rank, per_host = dist.get_rank(), run.ranks_per_host
+        forward_s, rank, per_host = run.synthetic_forward_s, dist.get_rank(), run.ranks_per_host
+        slow = pacing_for(faults_for(run.faults, rank), None).factor  # a lab.Slow rank's actions take f x their cost
+        self.synthetic = SyntheticCost(float(forward_s), len(runtime.stage_ids), slow) if forward_s else None
         if (run.world_size or dist.get_world_size()) != dist.get_world_size():
             raise ValueError("trace aligns clocks over every rank of the process group: run on all of them")
         here = per_host[rank] if per_host else int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

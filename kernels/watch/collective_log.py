@@ -13,7 +13,9 @@ makes the counter odd, writes, makes it even; a reader retries while the counter
 or changed under it. ``CollectiveLog`` also sums, per step, the time the rank spent
 inside collectives (the union of their intervals, so overlapping ones count once) and
 inside those it entered during backward (the gradient all-reduce or reduce-scatter),
-and returns them as ``StepWait`` records: what a dashboard sets against compute.
+and returns them as ``StepWait`` records: what a dashboard sets against compute. The same
+stamps, with the rank watch's forward and backward windows, give each step's overlap of
+communication with compute (``kernels.watch.overlap``).
 
 Torch-free (the driver and the views import it). Run alone (writes, then reads back a state)::
 
@@ -27,13 +29,14 @@ import contextlib
 import json
 import mmap
 import os
-import statistics
 import struct
 import tempfile
+import threading
 import time
 from typing import Any
 
 from kernels.contract.watch_records import OpenCollective, RankActivity, StepWait
+from kernels.watch.overlap import StepSpans
 
 SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
 MAX_OPEN = 8  # oldest open collectives kept in a snapshot (the one a rank is stuck behind is the oldest)
@@ -130,10 +133,13 @@ class CollectiveLog:
         self._file = StateFile(path or log_path(os.getpid()))
         self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
         self._open: dict[int, OpenCollective] = {}
+        self._launched: dict[int, float] = {}  # token -> perf_counter at entry, for the overlap
+        self.spans = StepSpans()  # this step's compute, waits and collectives (kernels.watch.overlap)
         self._next_token = 0
         self.step, self.action, self.faults = -1, "setup", []
         self._waits: list[StepWait] = []
-        self._step_began = 0.0
+        self._step_began = self._blocked_from = 0.0
+        self._owner = threading.get_ident()  # the rank's main thread: the only one whose waits are its steps'
         self._reset_step(time.perf_counter())
         self._publish()
 
@@ -151,19 +157,44 @@ class CollectiveLog:
         token, self._next_token = self._next_token, self._next_token + 1
         phase = self.action.split(",")[0]
         self._open[token] = OpenCollective(op, group, ranks, self._seq[key], int(nbytes), time.time(), phase)
-        self._spans_opened(phase == "backward")
+        self._launched[token] = self._spans_opened(phase == "backward")
         self._publish()
         return token
 
     def leave(self, token: int) -> None:
         """On the main thread: the collective ``token`` names returned (or failed)."""
-        self._done.append((token, time.perf_counter()))
+        now = time.perf_counter()
+        self.spans.blocked.append((self._launched.get(token, now), now))  # the main thread waited all along
+        self._done.append((token, now))
         self._take_completed()
         self._publish()
 
     def completed(self, token: int) -> None:
         """On any thread (a future's callback): the async collective ``token`` names completed."""
         self._done.append((token, time.perf_counter()))
+
+    def wait_began(self) -> None:
+        """The main thread blocks in a wait outside the log's own calls (a p2p, a functional collective).
+
+        Called by ``kernels.watch.wait_clock`` for every timed wait: the span joins the
+        step's wait (not the gradient sync's), unioned with the collectives open; nothing
+        is published, so a wait costs no state write. Other threads' waits are not this
+        rank's steps and are ignored.
+        """
+        if threading.get_ident() != self._owner:
+            return
+        self._take_completed()
+        self._blocked_from = time.perf_counter()  # the overlap's blocked span (kernels.watch.overlap)
+        if self._wait[1] == 0:
+            self._wait[2] = self._blocked_from
+        self._wait[1] += 1
+
+    def wait_ended(self, seconds: float) -> None:
+        """The wait ``wait_began`` opened is over (``seconds`` is the clock's; the span keeps its own)."""
+        if threading.get_ident() == self._owner:
+            now = time.perf_counter()
+            self.spans.blocked.append((self._blocked_from, now))
+            self._spans_closed(False, now)
 
     def act(self, action: str) -> None:
         """The rank is now doing ``action`` (e.g. "forward, step 2, micro-batch 0")."""
@@ -203,6 +234,7 @@ class CollectiveLog:
             entry = self._open.pop(token, None)
             if entry is not None:
                 self._spans_closed(entry.phase == "backward", at)
+                self.spans.comm.append((self._launched.pop(token), at))
 
     def close(self) -> None:
         self._file.close()
@@ -214,13 +246,14 @@ class CollectiveLog:
         self._step_began, self._entered = now, 0
         self._wait, self._grad = [0.0, len(self._open), now], [0.0, open_grad, now]
 
-    def _spans_opened(self, grad: bool) -> None:
+    def _spans_opened(self, grad: bool) -> float:
         self._entered += 1
         now = time.perf_counter()
         for span in (self._wait, self._grad) if grad else (self._wait,):
             if span[1] == 0:
                 span[2] = now
             span[1] += 1
+        return now
 
     def _spans_closed(self, grad: bool, now: float) -> None:
         for span in (self._wait, self._grad) if grad else (self._wait,):
@@ -230,10 +263,13 @@ class CollectiveLog:
 
     def _close_step(self, now: float) -> None:
         if self.step < 0:
+            self.spans = StepSpans()  # setup's spans belong to no step
             return
         wait, grad = (s[0] + (now - s[2] if s[1] else 0.0) for s in (self._wait, self._grad))
         step_s = now - self._step_began
-        self._waits.append(StepWait(self.rank, self.step, step_s, wait, grad, max(0.0, step_s - wait), self._entered))
+        busy, overlap = self.spans.close(self._step_began, now, list(self._launched.values()))
+        self._waits.append(StepWait(self.rank, self.step, step_s, wait, grad, max(0.0, step_s - wait), self._entered,
+                                    busy, overlap))
 
     def _publish(self) -> None:
         opened = sorted(self._open.values(), key=lambda c: c.entered)
@@ -241,25 +277,6 @@ class CollectiveLog:
                              tuple(opened[:MAX_OPEN]), time.time(), tuple(self.faults[-8:]),
                              max(0, len(opened) - MAX_OPEN))
         self._file.write(state.to_dict())
-
-
-def straggler(waits: list[dict[str, Any]] | list[StepWait], ratio: float = 1.25) -> int | None:
-    """The rank whose mean compute is at least ``ratio`` times the median rank's, the slowest such; else None.
-
-    Step 0 is left out when there are later steps (it pays one-off setup).
-    """
-    rows = [StepWait.coerce(w) for w in waits]
-    if any(w.step > 0 for w in rows):
-        rows = [w for w in rows if w.step > 0]
-    per_rank: dict[int, list[float]] = {}
-    for w in rows:
-        per_rank.setdefault(w.rank, []).append(w.compute_s)
-    if len(per_rank) < 2:
-        return None
-    means = {r: sum(v) / len(v) for r, v in per_rank.items()}
-    median = statistics.median(means.values())
-    slowest = max(means, key=means.get)
-    return slowest if median > 0 and means[slowest] >= ratio * median else None
 
 
 if __name__ == "__main__":

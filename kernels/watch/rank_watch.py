@@ -12,10 +12,15 @@ training run:
   unless a Python comm hook is registered, so ``attach`` routes DDP through torch's stock
   ``allreduce_hook`` (``kernels.watch.comm.route_ddp_through_python``, the same maths). Blocking
   send/recv are logged; isend/irecv (a pipeline's p2p) are not: ``P2POp`` accepts only
-  torch's own functions, and gloo's p2p works have no future to log their end;
+  torch's own functions, and gloo's p2p works have no future to log their end. Their
+  waits, and DTensor's functional collectives' (which never pass through the namespace),
+  still count in the step's wait: ``kernels.watch.wait_clock`` tells the log of every
+  blocking wait on this thread;
 - actions: forward pre/post hooks on the trained modules, a gradient hook on each
   output (backward starts), the optimizer's step pre-hook; the first forward of a step
-  is where step faults strike;
+  is where step faults strike. The forward and backward windows (the latter closed by an
+  autograd callback when the graph is done) are the compute the step's overlap is
+  measured against (``kernels.watch.overlap``);
 - steps: ``batches(stream)`` wraps the batch stream, so each batch drawn starts a step;
 - the driver on another host: on an engine, a ``kernels.watch.flight_recorder.WatchBeacon``
   thread sends the state, and torch's flight-recorder summary, over ipyparallel while
@@ -49,6 +54,7 @@ from kernels.watch.collective_log import CollectiveLog
 from kernels.contract.watch_records import StepWait
 from kernels.watch.comm import route_ddp_through_python
 from kernels.watch.dist_names import DIST_OPS, patched_dist_names
+from kernels.watch.wait_clock import install_listener, remove_listener
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
 # gloo's p2p works have no future to log their end with.
@@ -79,10 +85,12 @@ class RankWatch:
         """Wrap the ``torch.distributed`` collectives while active."""
         if self._beacon is not None:
             self._beacon.start()
+        install_listener(self.log)  # waits outside the wrapped calls (p2p, DTensor's) count in the step's wait
         try:
             with patched_dist_names(list(_OPS), self._wrap):
                 yield self
         finally:
+            remove_listener(self.log)
             for handle in self._handles:
                 handle.remove()
             if self._beacon is not None:
@@ -156,6 +164,7 @@ class RankWatch:
             micro = self._micro.get(where, 0)
             if self.pacing.active:
                 self._forward_real = self.pacing.after_forward(self._forward_began)
+            self.log.spans.compute.append((self._forward_began, time.perf_counter()))  # kernels.watch.overlap
             self._micro[where] = micro + 1
             tensor = fault_kinds.output_tensor(out)
             if tensor is not None:
@@ -166,6 +175,11 @@ class RankWatch:
     def _before_backward(self, action: str, forward_real_s: float) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             self.log.act(action)
+            began = time.perf_counter()
+            # The backward window ends when the graph is done: a callback queued now runs before the ones
+            # queued later, DDP's finalizer (which waits for every bucket) among them.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.log.spans.compute.append((began, time.perf_counter())))
             if self.pacing.active:
                 self.pacing.before_backward(forward_real_s)
         return hook

@@ -21,9 +21,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from kernels.contract.layout_rules import SINGLE_STAGE_SCHEDULES, bubble_theory
+from kernels.contract.layout_rules import SINGLE_STAGE_SCHEDULES, bubble_theory, bubble_theory_form
 from kernels.contract.measure_records import BubbleReport, ClockSync, TraceEvent
 from kernels.contract.schedule_simulation import Action, lay_out
+from lab.measure.bubble_parts import bubble_parts, planned_bubble
 
 COMPUTE_KINDS = ("forward", "backward", "backward_weight")
 
@@ -52,8 +53,9 @@ def _one_step(events: list[TraceEvent], step: int | None) -> tuple[list[TraceEve
 
 def bubble(events: Iterable[Any], schedule: str = "", pp: int = 0, microbatches: int = 0,
            stages_per_rank: int = 1, *, step: int | None = None, synthetic: bool = False,
-           clock_uncertainty: float = 0.0) -> BubbleReport:
-    """Measured idle share per rank of one traced step (the last one by default)."""
+           clock_uncertainty: float = 0.0, planned: float | None = None) -> BubbleReport:
+    """Measured idle share per rank of one traced step (the last one by default), taken apart
+    (``lab.measure.bubble_parts``); ``planned`` is the planned order's own bubble, when known."""
     chosen, step_ = _one_step(events_from(events), step)
     compute = [e for e in chosen if e.kind in COMPUTE_KINDS]
     if not compute:
@@ -63,10 +65,14 @@ def bubble(events: Iterable[Any], schedule: str = "", pp: int = 0, microbatches:
     busy = tuple(sum(e.duration for e in compute if e.rank == r) for r in ranks)
     idle = tuple(1 - b / makespan for b in busy)
     th, mega = bubble_theory(schedule, pp, microbatches, stages_per_rank) if pp else (None, None)
+    by_rank = bubble_parts(chosen, makespan, dict(zip(ranks, busy)))
     return BubbleReport(schedule=schedule, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank,
                         ranks=ranks, idle=idle, busy=busy, makespan=makespan, mean=sum(idle) / len(idle),
                         theory=th, theory_megatron=mega, synthetic=synthetic, step=step_,
-                        clock_uncertainty=clock_uncertainty)
+                        clock_uncertainty=clock_uncertainty, planned=planned,
+                        theory_form=bubble_theory_form(schedule, stages_per_rank) if pp else "",
+                        parts={k: sum(v.values()) / len(v) for k, v in by_rank.items()},
+                        rank_parts={k: [v[r] for r in ranks] for k, v in by_rank.items()})
 
 
 def clock_syncs(records: Any) -> list[ClockSync]:
@@ -81,7 +87,8 @@ def bubble_from_records(records: Any, *, step: int | None = None) -> BubbleRepor
     first = recs[0]
     return bubble(recs, first["schedule"], first["pp"], first["microbatches"], first["stages_per_rank"],
                   step=step, synthetic=bool(first["synthetic"]),
-                  clock_uncertainty=max(c.uncertainty for c in clock_syncs(recs)))
+                  clock_uncertainty=max(c.uncertainty for c in clock_syncs(recs)),
+                  planned=planned_bubble(planned_orders(recs)))
 
 
 def planned_order(schedule: str, pp: int, microbatches: int, pp_rank: int) -> list[Action]:

@@ -141,7 +141,8 @@ def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     link = axis_link(lay, "tp", gpus_per_node)
     payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
     per_block = {"fwd": 2, "bwd": 2 if lay.sequence_parallel else w.mlp_allreduces + w.qkv_allreduces, "recompute": 2}
-    phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing else [])
+    # Selective checkpointing keeps the collectives' outputs: only a full recompute runs them again.
+    phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing is True else [])
     out = []
     for phase in phases:
         count = per_block[phase] * w.layers_on_rank * w.microbatches

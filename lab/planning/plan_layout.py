@@ -26,6 +26,7 @@ from kernels.contract.layout_rules import bubble_theory, default_microbatches
 from lab.planning import plan_render
 from lab.planning.plan_check import PlanCheck
 from lab.planning.plan_comm import CommEntry, Work, all_entries
+from lab.planning.plan_latency import DEFAULT_ALPHA_US, collective_steps
 from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes, required_bandwidth
 from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from
 from lab.planning.plan_models import ModelSpec, get_model
@@ -39,8 +40,10 @@ class LinkLoad:
     link: str  # "intra" or "inter"
     bandwidth_gbps: float  # the link's bandwidth in GB/s (1e9 bytes/s) as given to plan()
     wire_bytes: float
-    time_s: float  # wire_bytes / bandwidth, with no overlap
+    time_s: float  # latency_s + wire_bytes / bandwidth, with no overlap
     needed_gbps: float  # GB/s to move wire_bytes within the target iteration time
+    alpha_us: float = 0.0  # the link's latency per ring step as given to plan(), microseconds
+    latency_s: float = 0.0  # α × the ring steps of every call on the link (docs/design.md#collective-latency)
 
 
 @dataclass(frozen=True, repr=False)
@@ -112,7 +115,8 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                 seq_len: int | None = None, dtype: str = "bf16", optimizer: str | float = "adam",
                 activation_checkpointing: bool | None = None, schedule: str | None = None,
                 microbatches: int | None = None, target_iter_s: float = 1.0,
-                activations_gb: float | None = None) -> Plan:
+                activations_gb: float | None = None, intra_alpha_us: float = DEFAULT_ALPHA_US["intra"],
+                inter_alpha_us: float = DEFAULT_ALPHA_US["inter"]) -> Plan:
     """Size the layout ``parallel`` analytically; the arguments are ``lab.planning.planner.plan``'s.
 
     ``parallel``: a ``lab.run.parallel.Parallel``, any object with its attributes, or a dict
@@ -137,8 +141,9 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                                head=spec.sharded_ends and lay.num_stages - 1 in busiest.stage_ids)
     mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
     bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
+    costs = {"intra": (intra_bw, intra_alpha_us), "inter": (inter_bw, inter_alpha_us)}
     return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,
-                str(optimizer), mem, comm, _links(comm, intra_bw, inter_bw, target_iter_s), target_iter_s,
+                str(optimizer), mem, comm, _links(comm, costs, target_iter_s), target_iter_s,
                 *(bubble if lay.pp > 1 else (None, None)),
                 warnings=tuple(_warnings(spec, lay, mem, m, gpus_per_node, activations_gb)),
                 notes=tuple(_notes(lay, gpus_per_node)), stages=stages)
@@ -188,13 +193,16 @@ def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None
     return global_batch, micro_batch, m
 
 
-def _links(comm: tuple[CommEntry, ...], intra_bw: float, inter_bw: float,
+def _links(comm: tuple[CommEntry, ...], costs: Mapping[str, tuple[float, float]],
            target_iter_s: float) -> tuple[LinkLoad, ...]:
+    """Each link's load; ``costs[link]`` is (GB/s, µs per ring step)."""
     out = []
-    for name, bw in (("intra", intra_bw), ("inter", inter_bw)):
-        wire = sum(e.wire_bytes for e in comm if e.link == name)
-        out.append(LinkLoad(name, bw, wire, wire / (bw * GB) if bw > 0 else math.inf,
-                            required_bandwidth(wire, target_iter_s)))
+    for name, (bw, alpha_us) in costs.items():
+        mine = [e for e in comm if e.link == name]
+        wire = sum(e.wire_bytes for e in mine)
+        latency = alpha_us * 1e-6 * sum(e.count * collective_steps(e.op, e.group_size) for e in mine)
+        out.append(LinkLoad(name, bw, wire, latency + wire / (bw * GB) if bw > 0 else math.inf,
+                            required_bandwidth(wire, target_iter_s), alpha_us, latency))
     return tuple(out)
 
 

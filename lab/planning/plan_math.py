@@ -37,6 +37,9 @@ _OPT_ALIASES = {"adamw": "adam", "adambf16": "adam_bf16", "adamwbf16": "adam_bf1
 # "Activations ≈ batch_size × seq_length × hidden_size × num_layers × 16" (the Turing Inc. guide,
 # FSDP memory sizing, "an empirical value covering the attention and feed-forward intermediates").
 ACTIVATION_FACTOR = 16
+# Selective checkpointing (kernels.parallel.activation_checkpoint) keeps per layer the block input and the
+# matmul outputs: q, k, v, out, fc_out (5·b·s·h) and fc_in (b·s·4h): 10 b·s·h elements where the guide counts 16.
+SELECTIVE_FACTOR = 10
 
 
 def dtype_bytes(dtype: str) -> int:

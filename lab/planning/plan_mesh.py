@@ -32,7 +32,7 @@ class Layout:
     schedule: str = "1f1b"
     stages_per_rank: int = 1  # pipeline stages on each pp rank (v)
     sequence_parallel: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True: full recompute; "selective": all but matmuls and collectives
     dp_replicate: int = 1  # HSDP replicate groups (dp = dp_replicate * dp_shard); 1 without hybrid
     loss_parallel: bool = False  # cross-entropy on vocab-sharded logits (tp > 1, pp == 1): they are never gathered
     mesh_order: tuple[str, ...] = MESH_AXES  # rank order over the axes, outermost first
@@ -73,7 +73,7 @@ def _get(parallel: Any, name: str, default: Any) -> Any:
 
 
 def layout_from(parallel: Any, *, schedule: str | None = None,
-                activation_checkpointing: bool | None = None) -> Layout:
+                activation_checkpointing: bool | str | None = None) -> Layout:
     """Build a Layout from a Parallel-like object or dict; explicit arguments win.
 
     Raises ValueError for sizes below 1, an unknown schedule or FSDP strategy, a ZeRO
@@ -98,7 +98,7 @@ def layout_from(parallel: Any, *, schedule: str | None = None,
         raise ValueError(problems[0][1])
     ac = activation_checkpointing
     if ac is None:
-        ac = bool(_get(parallel, "activation_checkpointing", False))
+        ac = _get(parallel, "activation_checkpointing", False)
     loss_parallel = bool(_get(parallel, "loss_parallel", False))
     if loss_parallel and pp > 1:
         raise ValueError(f"loss_parallel needs pp == 1, got pp={pp}: a pipeline schedule computes the loss "
@@ -107,7 +107,7 @@ def layout_from(parallel: Any, *, schedule: str | None = None,
     for _, message in mesh_order_problems(order):
         raise ValueError(message)
     return Layout(dp, tp, pp, zero, strategy, sched, v, bool(_get(parallel, "sequence_parallel", False)),
-                  bool(ac), replicate, loss_parallel and tp > 1, tuple(order))
+                  ac if ac == "selective" else bool(ac), replicate, loss_parallel and tp > 1, tuple(order))
 
 
 def axis_groups(dp: int, tp: int, pp: int, axis: str, order: tuple[str, ...] = MESH_AXES) -> list[list[int]]:

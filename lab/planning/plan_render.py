@@ -7,6 +7,7 @@ from __future__ import annotations
 import html as _html
 from typing import Any, Callable
 
+from kernels.contract.layout_combinations import SPLIT_BACKWARD_SCHEDULES
 from lab.planning.plan_math import GB, gbps
 
 
@@ -49,9 +50,11 @@ def comm_rows(p: Any) -> list[tuple[str, ...]]:
 
 
 def link_rows(p: Any) -> list[tuple[str, ...]]:
-    """Rows per link: wire bytes, time at the given bandwidth, bandwidth needed for the target."""
-    return [(load.link, _gb(load.wire_bytes), f"{load.bandwidth_gbps:,.0f} GB/s",
-             f"{load.time_s:.3f} s", f"{load.needed_gbps:,.1f} GB/s ({gbps(load.needed_gbps):,.0f} Gbps)")
+    """Rows per link: wire bytes, bandwidth, latency per ring step, time (latency included) and
+    the bandwidth needed for the target."""
+    return [(load.link, _gb(load.wire_bytes), f"{load.bandwidth_gbps:,.0f} GB/s", f"{load.alpha_us:g} us",
+             f"{load.time_s:.3f} s ({load.latency_s:.3f} s latency)",
+             f"{load.needed_gbps:,.1f} GB/s ({gbps(load.needed_gbps):,.0f} Gbps)")
             for load in p.links]
 
 
@@ -68,6 +71,10 @@ def _bubble(p: Any) -> str:
         return "bubble: none (no pipeline)"
     if p.bubble is None:
         return f"bubble ({p.layout.schedule}): no closed form; compare with 1f1b's"
+    if p.layout.schedule in SPLIT_BACKWARD_SCHEDULES:  # the zero-bubble family: Qi et al. (2024)'s assumption
+        form = "(p-1)/(3·v·m)" if p.layout.schedule == "interleaved_zero_bubble" else "ZB-V: 0"
+        return (f"bubble ({p.layout.schedule}): {p.bubble:.1%} of the step; bubble/ideal {form} = "
+                f"{p.bubble_megatron:.1%} if T_F = T_B = T_W (Qi et al., 2024)")
     return (f"bubble ({p.layout.schedule}): {p.bubble:.1%} of the step; "
             f"Megatron's bubble/ideal (p-1)/(v·m): {p.bubble_megatron:.1%}")
 
@@ -90,7 +97,7 @@ def text(p: Any) -> str:
         header = ("axis", "op", "phase", "link", "n", "calls", "payload", "wire")
         lines += ["  " + row for row in _text_table(header, comm_rows(p))]
         lines += ["  " + row for row in
-                  _text_table(("link", "wire", "bandwidth", "time", "needed"), link_rows(p))]
+                  _text_table(("link", "wire", "bandwidth", "α/step", "time", "needed"), link_rows(p))]
     lines += ["", _bubble(p)]
     if p.measured is not None:
         lines += ["", p.measured.title() + ":"]
@@ -114,7 +121,7 @@ def html(p: Any) -> str:
     if p.comm:
         parts.append(_html_table(("axis", "op", "phase", "link", "n", "calls", "payload", "wire"),
                                  comm_rows(p), "lab-plan-comm"))
-        parts.append(_html_table(("link", "wire", "bandwidth", "time", "needed"), link_rows(p),
+        parts.append(_html_table(("link", "wire", "bandwidth", "α/step", "time", "needed"), link_rows(p),
                                  "lab-plan-links"))
     parts.append(f"<p>{esc(_bubble(p))}</p>")
     if p.measured is not None:

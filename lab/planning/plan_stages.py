@@ -21,7 +21,8 @@ from typing import Any
 
 from kernels.contract.layout_rules import layer_split, stage_ids
 from lab.planning.plan_comm import CommEntry, Work, all_entries
-from lab.planning.plan_math import GB, activation_bytes, checkpointed_activation_bytes, zero_memory
+from lab.planning.plan_math import (ACTIVATION_FACTOR, GB, SELECTIVE_FACTOR, activation_bytes,
+                                   checkpointed_activation_bytes, zero_memory)
 from lab.planning.plan_mesh import Layout
 from lab.planning.plan_models import ModelSpec, gpt_tensors
 
@@ -132,7 +133,9 @@ def _activations(lay: Layout, w: Work, stage: int = 0) -> float:
         return 0.0
     flight = in_flight(lay.schedule, lay.pp, w.microbatches, lay.stages_per_rank, stage)
     one = activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank, w.elem_bytes)
-    if lay.activation_checkpointing:
+    if lay.activation_checkpointing == "selective":  # the matmul outputs and block inputs, every block in flight
+        total = one * SELECTIVE_FACTOR / ACTIVATION_FACTOR * flight
+    elif lay.activation_checkpointing:
         kept = checkpointed_activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank,
                                              w.elem_bytes)
         block = activation_bytes(w.micro_batch, w.seq_len, w.hidden, 1, w.elem_bytes)

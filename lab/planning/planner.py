@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from lab.planning.plan_latency import DEFAULT_ALPHA_US
 from lab.planning.plan_layout import Plan, plan_layout
 from lab.planning.plan_models import ModelSpec
 from lab.planning.plan_own_models import model_spec
@@ -21,7 +22,8 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
          seq_len: int | None = None, dtype: str = "bf16", optimizer: str | float = "adam",
          activation_checkpointing: bool | None = None, schedule: str | None = None,
          microbatches: int | None = None, target_iter_s: float = 1.0,
-         activations_gb: float | None = None) -> Plan:
+         activations_gb: float | None = None, intra_alpha_us: float = DEFAULT_ALPHA_US["intra"],
+         inter_alpha_us: float = DEFAULT_ALPHA_US["inter"]) -> Plan:
     """Size one layout analytically.
 
     ``model``: a preset name, a parameter count, a dict of shape fields, a ``ModelSpec``, a ``lab.GPT``,
@@ -31,7 +33,10 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     ``parallel``: a ``lab.run.parallel.Parallel``, any object with its attributes, or a dict
     (dp may be left out of a dict: it is gpus / (tp·pp)); None asks ``recommend()``.
     ``intra_bw``/``inter_bw``: GB/s per GPU inside a node and between nodes (defaults:
-    the sizing guides' NVLink 900GB/s and EFA 3,200Gbps = 400GB/s). ``schedule`` and
+    the sizing guides' NVLink 900GB/s and EFA 3,200Gbps = 400GB/s). ``intra_alpha_us``/``inter_alpha_us``:
+    each link's latency per ring step, which every call pays 2(n-1) times for an all-reduce
+    (``lab.planning.plan_latency``; defaults a public estimate for the same hardware, or the pool's own
+    from ``lab.measure.bench.planner_links``). ``schedule`` and
     ``activation_checkpointing`` default to the parallel object's, else "1f1b" and off.
     ``optimizer``: "adam" (K=12, docs/design.md#zero-formulas), "adam_bf16" (K=4, the Turing Inc. guide's convention),
     "sgd", "sgd_momentum", or K itself. ``activations_gb`` replaces the activation
@@ -41,7 +46,7 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     options = dict(intra_bw=intra_bw, inter_bw=inter_bw, global_batch=global_batch, micro_batch=micro_batch,
                    seq_len=seq_len, dtype=dtype, optimizer=optimizer, microbatches=microbatches,
                    activation_checkpointing=activation_checkpointing, target_iter_s=target_iter_s,
-                   activations_gb=activations_gb)
+                   activations_gb=activations_gb, intra_alpha_us=intra_alpha_us, inter_alpha_us=inter_alpha_us)
     if parallel is None:
         return _recommended(spec, gpus, gpus_per_node, gpu_mem_gb, {**options, "schedule": schedule or "1f1b"})
     return plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=parallel, schedule=schedule, **options)

@@ -43,7 +43,7 @@ RULES = {
     "positive-sizes": "sizes and counts (dp, tp, pp, microbatches, stages_per_rank, dp_replicate, global_batch, "
                       "steps, the model's layers, d_model, heads, vocab, seq_len, d_ff) must be ints >= 1, "
                       "not bools, floats or strings",
-    "bool-flags": "switches (sequence_parallel, loss_parallel, activation_checkpointing, cpu_offload, trace, "
+    "bool-flags": "switches (sequence_parallel, loss_parallel, cpu_offload, trace, "
                   "measure, compile, the model's bias) must be True or False, not 1 or 'yes'",
     "adamw": "AdamW needs a finite lr > 0, eps > 0, weight_decay >= 0 and betas two numbers in [0, 1)",
     "seed": "seeds must be ints in [0, 2**64), the range torch.Generator.manual_seed takes",
@@ -112,6 +112,8 @@ RULES = {
     "hybrid-dp": "hybrid sharding needs dp >= 2 to split into replicate x shard",
     "dp-replicate": "dp_replicate is for fsdp_strategy 'hybrid' only, and must divide dp",
     "mixed-precision": "mixed_precision must be None or 'bf16'",
+    "activation-checkpointing": "activation_checkpointing must be False, True (recompute each block in backward) "
+                                "or 'selective' (recompute all but the matmuls and collectives)",
     "cpu-offload": "cpu_offload needs full sharding (zero 3 / FSDP full or hybrid)",
     "zero1-dtensor": "ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters, so not with tp > 1",
     "zero3-split-backward": "ZeRO-3 (FSDP2 resharding after forward) gives wrong gradients under the "
@@ -140,7 +142,7 @@ class Parallel:
     dp_replicate: int | None = None  # HSDP: dp = dp_replicate * dp_shard; None: see hsdp_sizes
     sequence_parallel: bool = False  # shard norms/dropout over the sequence dim on the tp axis
     loss_parallel: bool = False  # cross-entropy on vocab-sharded logits, never gathered (tp > 1, pp == 1)
-    activation_checkpointing: bool = False  # recompute each block in backward
+    activation_checkpointing: bool | str = False  # True: recompute each block; "selective": all but its matmuls
     mixed_precision: str | None = None  # None (fp32) or "bf16" (FSDP2's MixedPrecisionPolicy, else torch.autocast)
     cpu_offload: bool = False  # keep sharded params/grads/optimizer on CPU (CPUOffloadPolicy)
     # Rank order over the mesh axes, outermost first: the default keeps each tp group on

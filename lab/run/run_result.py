@@ -13,9 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernels.contract.stragglers import stragglers, typical_per_rank
+from kernels.contract.measure_records import Throughput
 from lab.measure import timeline as _timeline
 from lab.measure.comm_prediction import comm_records
 from lab.measure.memory_and_comm import memory_records
+from lab.measure.throughput import run_throughput
 
 
 class NotRecordedError(ValueError):
@@ -158,12 +161,32 @@ class RunResult:
         from widgets import ShardingView
         return ShardingView(self.layout)
 
-    def dashboard(self):
-        """The run's ``widgets.TrainingDashboard``, replayed from its progress records (``Experiment.run``/``start``)."""
+    def dashboard(self, peak_flops: float | str | None = None):
+        """The run's ``widgets.TrainingDashboard``, replayed from its progress records (``Experiment.run``/``start``);
+        with ``peak_flops`` (one device's FLOP/s or a GPU's name, as ``throughput``) it shows MFU too."""
         from widgets import TrainingDashboard
 
         self._need("progress", "per-step progress")
-        return TrainingDashboard.replay(self.progress, world_size=self.world_size, steps=self.config.get("steps", 0))
+        speed = self.throughput(peak_flops)
+        return TrainingDashboard.replay(self.progress, world_size=self.world_size, steps=self.config.get("steps", 0),
+                                        flops_per_token=speed.model_flops_per_step / speed.tokens_per_step,
+                                        peak_flops=speed.peak_flops)
+
+    def throughput(self, peak_flops: float | str | None = None) -> Throughput:
+        """Tokens/s, model FLOPs per step, MFU against ``peak_flops`` (one device's FLOP/s, or a GPU's name such as
+        "H100") or None without it, and the mean overlap of communication with compute (``lab.measure.throughput``)."""
+        return run_throughput(self.config, self.step_times, self.layout, self.step_waits, peak_flops)
+
+    def stragglers(self) -> list[int]:
+        """The ranks whose own compute stands out (``kernels.contract.stragglers``), in rank order; [] if none.
+
+        Taken from the progress records the dashboard shows (so it marks the same ranks),
+        or from ``step_waits`` for a run without them. Compute is a step less its waits
+        for collectives, DTensor's and a pipeline's p2p included, so a rank held up by a
+        slow peer is not named beside it.
+        """
+        rows = self.progress or self.step_waits
+        return stragglers(typical_per_rank((row["rank"], row["step"], row["compute_s"]) for row in rows))
 
     # --- JSON ------------------------------------------------------------------------------
     def to_json(self, path: str | Path | None = None) -> str:

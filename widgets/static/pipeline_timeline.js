@@ -60,6 +60,11 @@ function line(...parts) {
   return d;
 }
 
+// The measured bubble's parts (lab/measure/bubble_parts.py), each with what it means on hover.
+const PARTS = [["schedule", "what the order itself costs: the step replayed with these very action times and zero-latency transfers"],
+  ["transfer", "what the measured point-to-point hops add on the critical path"],
+  ["other", "the rest between actions: Python in the schedule loop, wake-ups, instrumentation"]];
+
 function bubbleBox(b, stepMs) {
   const box = h("div", "cl-bubble");
   if (!b || b.mean === undefined) {
@@ -70,16 +75,34 @@ function bubbleBox(b, stepMs) {
   const vm = v > 1 ? "v·m" : "m";
   const head = h("div", "cl-bubble-head");
   const theory = b.theory === null || b.theory === undefined
-    ? [line("theory: ", h("b", "cl-bubble-theory", "n/a"), " (no closed form for this schedule; compare with 1F1B)")]
-    : [line(`theory: bubble fraction (p-1)/(${vm}+p-1) = `, h("b", "cl-bubble-theory", f3(b.theory)),
+    ? [line("theory: ", h("b", "cl-bubble-theory", "n/a"), " (no closed form for this schedule; see its planned order)")]
+    : [line(`theory: bubble fraction ${b.theory_form || `(p-1)/(${vm}+p-1)`} = `, h("b", "cl-bubble-theory", f3(b.theory)),
       " (share of the makespan a rank is idle, the same kind of number as the measured one)"),
-    line(`Megatron's ratio (p-1)/${vm === "m" ? "m" : "(v·m)"} = bubble time / ideal time = `,
+    line("bubble time / ideal time (Megatron's ratio form) = ",
       h("b", "cl-bubble-megatron", f3(b.theory_megatron)), " (not a fraction: it can exceed 1)")];
+  if (b.planned !== null && b.planned !== undefined) {
+    theory.push(line("planned order at T_F = T_B = T_W, zero-latency transfer = ", h("b", "cl-bubble-planned", f3(b.planned)),
+      " (the order this schedule really runs, laid out without overhead)"));
+  }
   head.append(`${b.schedule} · p=${b.pp} · m=${b.microbatches}${v > 1 ? ` · v=${v}` : ""} · step ${b.step} · `,
     h("span", "cl-bubble-mode", b.synthetic ? "synthetic costs (comparable with theory)"
       : "real compute (per-action overhead included; theory holds only for equal synthetic costs)"));
   const measured = line("measured bubble = mean over ranks of the idle share of the makespan = ",
     h("b", "cl-bubble-mean", f3(b.mean)));
+  const parts = b.parts || {};
+  const split = [];
+  if (Object.keys(parts).length) {
+    const sum = line("= ");
+    PARTS.forEach(([name, what], i) => {
+      const s = h("span", "cl-bubble-part", `${name} `);
+      s.dataset.part = name;
+      s.title = what;
+      s.append(h("b", null, f3(parts[name])));
+      sum.append(...(i ? [" + ", s] : [s]));
+    });
+    sum.classList.add("cl-bubble-parts");
+    split.push(sum);
+  }
   const per = h("div", "cl-bubble-ranks", "idle per rank: ");
   (b.ranks || []).forEach((r, i) => {
     const s = h("span", "cl-bubble-rank", `r${r} ${f3(b.idle[i])}`);
@@ -93,7 +116,7 @@ function bubbleBox(b, stepMs) {
     h("b", null, "whole step "), h("span", "cl-bubble-step", ms(stepMs)),
     " = wall time from the step's first traced event to its last, incl. p2p, gradient all-reduce and optimizer");
   defs.classList.add("cl-bubble-defs");
-  box.append(head, measured, ...theory, per, defs);
+  box.append(head, measured, ...split, ...theory, per, defs);
   return box;
 }
 

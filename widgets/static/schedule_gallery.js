@@ -28,10 +28,14 @@ function panelHead(p) {
   const b = p.bubble || {};
   const head = h("div", "cl-gallery-head");
   const m = (b.stages_per_rank || 1) > 1 ? "v·m" : "m";
+  const parts = b.parts || {};
+  const split = Object.keys(parts).length
+    ? [" = ", h("span", "cl-gallery-bubble-parts",
+      ["schedule", "transfer", "other"].map((k) => `${k} ${fx(parts[k])}`).join(" + "))] : [];
   head.append(h("b", "cl-gallery-name", p.name),
     ` · ${b.schedule || "?"} p=${b.pp} m=${b.microbatches} · measured bubble `,
-    h("b", "cl-gallery-bubble-mean", fx(b.mean)),
-    ` · theory (p-1)/(${m}+p-1) `, h("b", "cl-gallery-bubble-theory", fx(b.theory)),
+    h("b", "cl-gallery-bubble-mean", fx(b.mean)), ...split,
+    ` · theory ${b.theory_form || `(p-1)/(${m}+p-1)`} `, h("b", "cl-gallery-bubble-theory", fx(b.theory)),
     ` · makespan ${(1000 * (b.makespan || 0)).toFixed(0)} ms${b.synthetic ? "" : " · real compute"}`);
   return head;
 }

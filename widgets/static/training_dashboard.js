@@ -1,5 +1,5 @@
 // TrainingDashboard: a loss chart and one `.cl-dash-rank` row per rank (data-rank, data-stale, data-straggler).
-// Reads loss, ranks, steps, stale_after, finished and clock; ages tick here between updates.
+// Reads loss, ranks, steps, stale_after, finished, clock and speed (tokens/s, MFU); ages tick here between updates.
 
 function lossChart(points) {
   const ns = "http://www.w3.org/2000/svg", W = 320, H = 80;
@@ -43,6 +43,12 @@ function split(row) {
   return s;
 }
 
+function speedText(speed) {  // the run's tokens/s and MFU (docs/design.md#overlap-model-flops-and-mfu)
+  if (!speed || speed.tokens_per_s === null || speed.tokens_per_s === undefined) return "";
+  const mfu = speed.mfu === null || speed.mfu === undefined ? "" : ` · MFU ${(100 * speed.mfu).toFixed(1)}%`;
+  return ` · ${Math.round(speed.tokens_per_s).toLocaleString("en-US")} tokens/s${mfu}`;
+}
+
 function render({ model, el }) {
   const root = h("div", "cl-dash");
   el.appendChild(root);
@@ -66,7 +72,7 @@ function render({ model, el }) {
     const last = loss.length ? loss[loss.length - 1] : null;
     const state = model.get("finished") ? "finished" : "running";
     root.appendChild(h("div", "cl-dash-head", `${state} · step ${last ? last[0] + 1 : 0}/${model.get("steps")}` +
-      (last ? ` · loss ${last[1].toFixed(4)}` : "")));
+      (last ? ` · loss ${last[1].toFixed(4)}` : "") + speedText(model.get("speed"))));
     root.appendChild(lossChart(loss));
     const table = h("table", "cl-dash-table");
     const head = h("tr");
@@ -93,7 +99,7 @@ function render({ model, el }) {
     root.appendChild(table);
     tick();
   }
-  for (const name of ["ranks", "loss", "finished", "clock"]) model.on(`change:${name}`, draw);
+  for (const name of ["ranks", "loss", "finished", "clock", "speed"]) model.on(`change:${name}`, draw);
   draw();
   const timer = setInterval(tick, 500);
   return () => clearInterval(timer);
