@@ -142,6 +142,7 @@ def test_report_shows_measured_beside_plan_in_text_and_html():
     assert json.loads(json.dumps(report.to_dict()))["rows"][0][0] == "parameters"
 
 
+@pytest.mark.slow  # 5 s
 def test_bad_layouts_are_refused_before_and_in_the_rank_process():
     with pytest.raises(ValueError, match="must equal gpus"):
         dry_run({"tp": 2, "dp": 2}, TINY, gpus=8)

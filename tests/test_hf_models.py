@@ -54,6 +54,7 @@ def test_stages_chained_give_the_whole_models_logits(make):
     assert {n for n, _ in whole.named_parameters()} == {n for n, _ in whole.inner.named_parameters()}
 
 
+@pytest.mark.slow  # 5 s; test_own_model_measure runs an HF Llama under TP and DP in the fast tier
 def test_hf_llama_under_tp_and_dp_matches_one_process(cluster):
     _parity(cluster, hf_llama(num_hidden_layers=2), dict(dp=2, tp=2))
 

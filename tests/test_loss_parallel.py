@@ -22,8 +22,10 @@ def _gathered_bytes(result: lab.RunResult) -> int:
                if c["rank"] == 0 and c["source"] == "funcol" and c["op"] == "all_gather")
 
 
-@pytest.mark.parametrize("layout", [{"tp": 4}, pytest.param({"dp": 2, "tp": 2, "sequence_parallel": True},
-                                                         marks=pytest.mark.slow)],  # 14 s
+# Loss parallel in the fast tier: test_llama_training's TP x DP with sequence and loss parallel.
+@pytest.mark.parametrize("layout", [pytest.param({"tp": 4}, marks=pytest.mark.slow),  # 3 s
+                                    pytest.param({"dp": 2, "tp": 2, "sequence_parallel": True},
+                                                 marks=pytest.mark.slow)],  # 14 s
                          ids=["tp4", "dp2-tp2-sequence-parallel"])
 def test_loss_parallel_drops_the_logits_gather_and_trains_like_one_process(cluster, layout):
     runs = {}

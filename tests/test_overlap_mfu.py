@@ -149,3 +149,11 @@ def test_fsdp_prefetch_overlaps_and_reports_mfu(cluster):
     assert speed_record.overlap_s > 0 and speed_record.devices == 4
     assert math.isclose(speed_record.mfu, speed_record.flops_per_s / 4e12)
     assert res.dashboard(peak_flops=1e12).speed["mfu"] > 0
+
+
+@pytest.mark.slow
+def test_the_live_dashboard_shows_mfu_for_the_labs_own_model(cluster):
+    handle = lab.Experiment(cluster, MODEL, lab.Parallel(dp=4), global_batch=16, steps=4).start()
+    view = handle.dashboard(peak_flops=1e12)
+    handle.wait()
+    assert view.speed["tokens_per_s"] > 0 and view.speed["mfu"] > 0, view.speed

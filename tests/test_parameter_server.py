@@ -71,6 +71,7 @@ def test_async_with_a_slow_worker_is_stale_and_still_learns(cluster):
     assert result.losses[-1] < result.losses[0], result.losses
 
 
+@pytest.mark.slow  # 4 s; the other staleness modes stay in the fast tier
 def test_bounded_never_exceeds_max_staleness(cluster):
     ps = lab.ParameterServer(cluster, lab.GPT(**TINY), servers=2, mode="bounded", max_staleness=1, global_batch=12,
                              steps=4, faults=[lab.Slow(3, 4.0)])

@@ -104,6 +104,7 @@ def busy_deaf_to_interrupts(seconds: float) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.slow  # 4 s
 def test_a_rank_that_begins_the_cell_after_a_peer_failed_is_not_interrupted_and_its_output_is_shown(px, cluster):
     # Rank 2 begins the cell 4 s late, as on a machine whose scheduler has not run it yet
     # when rank 3 fails: it is given time to begin and fail on its own in the all-reduce,

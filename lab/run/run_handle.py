@@ -216,11 +216,12 @@ class RunHandle:
         """Call ``callback()`` once the run has ended and its last records were passed on (before ``wait`` returns)."""
         self._on_finish.append(callback)
 
-    def dashboard(self, stale_after: float = 5.0) -> "TrainingDashboard":
-        """A ``widgets.TrainingDashboard`` that follows this run live."""
+    def dashboard(self, stale_after: float = 5.0, peak_flops: float | str | None = None) -> "TrainingDashboard":
+        """A ``widgets.TrainingDashboard`` that follows this run live; with ``peak_flops`` (one device's FLOP/s or a
+        GPU's name) it shows MFU beside tokens/s (the lab's own models; ``lab.run.run_views.follow_dashboard``)."""
         from lab.run.run_views import follow_dashboard
 
-        return follow_dashboard(self, stale_after)
+        return follow_dashboard(self, stale_after, peak_flops)
 
     def __repr__(self) -> str:
         steps = [r.step for r in self.progress if r is not None]

@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
+from kernels.contract.model_rules import is_own_model
 from kernels.contract.watch_records import StepProgress
+from lab.measure.throughput import flops_per_token
+from lab.measure.throughput import peak_flops as device_peak
 
 if TYPE_CHECKING:
     from lab.run.run_handle import RunHandle
@@ -45,11 +48,21 @@ def progress_bar(handle: "RunHandle", show: bool = True, desc: str | None = None
         bar.close()
 
 
-def follow_dashboard(handle: "RunHandle", stale_after: float) -> "TrainingDashboard":
-    """A dashboard that shows every record so far, then each new one as it arrives, and the end of the run."""
+def follow_dashboard(handle: "RunHandle", stale_after: float,
+                     peak_flops: float | str | None = None) -> "TrainingDashboard":
+    """A dashboard that shows every record so far, then each new one as it arrives, and the end of the run.
+
+    With ``peak_flops`` (one device's FLOP/s or a GPU's name) it shows MFU beside tokens/s, for the lab's own
+    models: a model the user brought is counted from its parameters, known once the run's layout is
+    (``RunResult.dashboard(peak_flops=...)``)."""
     from widgets import TrainingDashboard
 
-    view = TrainingDashboard(world_size=handle.world_size, steps=handle.config["steps"], stale_after=stale_after)
+    model, per_token = handle.config["model"], None
+    if peak_flops is not None and not is_own_model(model):
+        recompute = handle.config.get("strategy", {}).get("activation_checkpointing", False)
+        per_token = flops_per_token(model, recompute)[0]
+    view = TrainingDashboard(world_size=handle.world_size, steps=handle.config["steps"], stale_after=stale_after,
+                             flops_per_token=per_token, peak_flops=device_peak(peak_flops) if per_token else None)
 
     def show(records: list[StepProgress]) -> None:
         view.add(records, heard_at=handle.heard_at())
