@@ -33,9 +33,15 @@ COMPUTE_KINDS = ("forward", "backward", "backward_weight")
 
 def replicas(compute: list[TraceEvent]) -> list[list[int]]:
     """Ranks grouped into pipelines running side by side: the i-th rank of each stage set is replica i."""
+    ranks = {e.rank for e in compute}
+    return _replicas_by_stages({rank: {e.stage for e in compute if e.rank == rank} for rank in ranks})
+
+
+def _replicas_by_stages(stages_of: dict[int, set[int]]) -> list[list[int]]:
+    """``replicas`` from each rank's set of stages."""
     by_stages: dict[frozenset, list[int]] = defaultdict(list)
-    for rank in sorted({e.rank for e in compute}):
-        by_stages[frozenset(e.stage for e in compute if e.rank == rank)].append(rank)
+    for rank in sorted(stages_of):
+        by_stages[frozenset(stages_of[rank])].append(rank)
     count = max(len(ranks) for ranks in by_stages.values())
     return [[ranks[i] for ranks in by_stages.values() if i < len(ranks)] for i in range(count)]
 
@@ -117,10 +123,8 @@ def planned_bubble(orders: list[list]) -> float | None:
     by_rank = {rank: [tuple(a) for a in acts] for rank, acts in enumerate(orders) if acts}
     if not by_rank:
         return None
-    groups: dict[frozenset, list[int]] = defaultdict(list)
-    for rank, acts in by_rank.items():
-        groups[frozenset(a[0] for a in acts)].append(rank)
-    first = {ranks[0]: by_rank[ranks[0]] for ranks in groups.values()}  # replica 0: one rank per stage set
+    replica = _replicas_by_stages({rank: {a[0] for a in acts} for rank, acts in by_rank.items()})[0]
+    first = {rank: by_rank[rank] for rank in replica}  # replica 0: one rank per stage set
     placed = lay_out(first, THEORY_UNITS)
     span = max(p.end for p in placed)
     busy = [sum(p.end - p.start for p in placed if p.rank == r) for r in first]

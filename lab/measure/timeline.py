@@ -24,9 +24,7 @@ from typing import Any, Iterable
 from kernels.contract.layout_rules import SINGLE_STAGE_SCHEDULES, bubble_theory, bubble_theory_form
 from kernels.contract.measure_records import BubbleReport, ClockSync, TraceEvent
 from kernels.contract.schedule_simulation import Action, lay_out
-from lab.measure.bubble_parts import bubble_parts, planned_bubble
-
-COMPUTE_KINDS = ("forward", "backward", "backward_weight")
+from lab.measure.bubble_parts import COMPUTE_KINDS, bubble_parts, planned_bubble
 
 
 def events_from(results: Any) -> list[TraceEvent]:
