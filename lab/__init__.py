@@ -34,7 +34,7 @@ _HOME = {
     "Plan": "lab.planning.planner", "plan": "lab.run.plan_on_pool",
     "connect": "lab.pool.start_or_connect", "start": "lab.pool.start_or_connect",
     "recommend": "lab.planning.recommend",
-    "CommTable": "lab.run.run_result", "NotRecordedError": "lab.run.run_result", "RunResult": "lab.run.run_result",
+    "CommTable": "lab.run.comm_table", "NotRecordedError": "lab.run.run_result", "RunResult": "lab.run.run_result",
     "RankMapError": "lab.pool.rank_map", "build_rank_map": "lab.pool.rank_map",
     "Checkpoint": "lab.run.checkpointing", "checkpoints": "lab.run.checkpointing", "export": "lab.run.checkpointing",
     "CheckpointError": "kernels.checkpoint.files", "CheckpointMismatchError": "kernels.checkpoint.files",

@@ -19,9 +19,10 @@ from tests.test_browser_views import done_or_error, fail_on_error, screenshot
 from tests.test_widgets_browser import MISSING_GLYPHS
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "05_pipeline_parallel.ipynb"
-# The sweep's last line: every view is drawn by then. The last cell's measured-vs-theory check is
-# tests/test_notebooks.py's to make; a traceback from any cell before this line fails here.
-DONE = "m=16: measured"
+# The last cell's line: every view is drawn and every measured-vs-theory check has passed by then, and a
+# traceback from any cell fails here. So tests/test_notebooks.py does not run 05 a second time where
+# this test can run (BROWSER_RUNS_IT).
+DONE = "every schedule part within 1.5 points of theory"
 SCHEDULES = ["gpipe", "gpipe", "1f1b", "interleaved_1f1b", "zbv"]  # naive is GPipe with one micro-batch
 
 

@@ -27,8 +27,9 @@ def test_ring_steps_follow_thakur_rabenseifner_and_gropp():
     assert [collective_steps("all_reduce", n) for n in (1, 2, 4, 8)] == [0, 2, 6, 14]
     assert collective_steps("all_gather", 8) == collective_steps("reduce_scatter", 8) == 7
     assert collective_steps("p2p", 2) == 1
+    assert collective_steps("all_to_all", 4) == 3  # pairwise exchange: one partner per step
     with pytest.raises(ValueError):
-        collective_steps("all_to_all", 4)
+        collective_steps("gather", 4)
 
 
 @pytest.mark.parametrize("op,n", [("all_reduce", 2), ("all_reduce", 4), ("all_gather", 4), ("send_recv", 2)])

@@ -52,7 +52,8 @@ import pytest
 from lab import plan
 from lab.measure.memory_and_comm import measure_layout, zero1_partition
 from lab.planning.plan_math import busbw_factor
-from lab.planning.plan_models import ModelSpec, get_model, gpt_tensors
+from lab.planning.plan_models import ModelSpec, get_model
+from lab.planning.plan_tensors import gpt_tensors
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16, "d_ff": 64}
 BASE = {"model": TINY, "global_batch": 8, "steps": 2, "lr": 1e-2, "seed": 0}
@@ -182,6 +183,19 @@ def test_from_gpt_lists_every_parameter_of_the_lab_gpt_in_model_order():
             [(t.name, t.shape) for t in gpt_tensors(spec)]
         assert spec.params == sum(x.numel() for x in model.parameters())
         assert get_model(cfg) == spec == get_model({f: getattr(cfg, f) for f in TINY} | {"bias": cfg.bias})
+
+
+def test_from_gpt_lists_every_parameter_of_the_lab_gpt_with_experts_in_model_order():
+    from kernels.model.gpt import GPTConfig, build_gpt
+
+    for cfg in (GPTConfig(**TINY, experts=4, top_k=2), GPTConfig(**{**TINY, "bias": False}, experts=2, top_k=1)):
+        spec = ModelSpec.from_gpt(cfg)
+        model = build_gpt(cfg)
+        assert [(n, tuple(x.shape)) for n, x in model.named_parameters()] == \
+            [(t.name, t.shape) for t in gpt_tensors(spec)]
+        assert spec.params == sum(x.numel() for x in model.parameters())
+        experts = sum(x.numel() for n, x in model.named_parameters() if ".experts." in n)
+        assert spec.expert_params == experts == sum(t.numel for t in gpt_tensors(spec) if t.expert)
 
 
 def test_tp_splits_columns_and_rows_and_replicates_norms_and_row_biases():

@@ -126,6 +126,9 @@ def why_not(record: dict[str, Any]) -> str:
         return "the record holds no model sizes or micro-batch size"
     if record["model"].get("family"):
         return f"the rule counts the lab GPT's tensors; a {record['model']['family']} model's parts are measured only"
+    if record["model"].get("experts"):
+        return ("the rule counts a dense MLP's tensors; a mixture of experts' parts (router, routed tokens, "
+                "all-to-all buffers) are measured only")
     if record.get("compile"):
         return "torch.compile fuses what is saved; no rule here"
     if record.get("dims", {}).get("pp", 1) > 1:
@@ -148,7 +151,9 @@ def predicted_for(record: dict[str, Any]) -> dict[str, int] | None:
         layers, first, last = len(record["stage_layers"][str(stage)]), stage == 0, stage == stages - 1
         flight = in_flight(record["schedule"], stages, int(record["microbatches"]), stage)
     d_ff = m.get("d_ff") or 4 * m["d_model"]  # GPTConfig's default
-    one = predicted_parts(int(record["micro_batch"]), m["seq_len"], m["d_model"], m["heads"], d_ff, m["vocab"],
+    # A context-parallel rank holds s/cp tokens, and its ring attention keeps what SDPA keeps for them.
+    seq = m["seq_len"] // int(record.get("cp", 1))
+    one = predicted_parts(int(record["micro_batch"]), seq, m["d_model"], m["heads"], d_ff, m["vocab"],
                           layers, tp=dims.get("tp", 1), sequence_parallel=bool(record.get("sequence_parallel")),
                           loss_parallel=bool(record.get("loss_parallel")),
                           checkpointing=record.get("activation_checkpointing", False),
@@ -156,7 +161,7 @@ def predicted_for(record: dict[str, Any]) -> dict[str, int] | None:
     out = {part: nbytes * flight for part, nbytes in one.items()}
     # The rank's batch is split into micro-batches as views of one storage: the token ids and the targets are
     # held whole while any micro-batch is, b·s·m int64 each, not per micro-batch in flight.
-    views = INDEX * int(record["micro_batch"]) * m["seq_len"] * (int(record.get("microbatches", 1)) - flight)
+    views = INDEX * int(record["micro_batch"]) * seq * (int(record.get("microbatches", 1)) - flight)
     for part in ("embeddings", "cross-entropy"):
         if part in out:
             out[part] += views

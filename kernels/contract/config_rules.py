@@ -32,10 +32,13 @@ MIXED_PRECISION = (None, "bf16")
 # kernels.parallel.activation_checkpoint keeps the matmul outputs).
 CHECKPOINTING = (False, True, "selective")
 MODEL_SIZES = ("layers", "d_model", "heads", "vocab", "seq_len", "d_ff")
-MODEL_KEYS = (*MODEL_SIZES, "bias")
+# A routed mixture of experts in place of each block's MLP (kernels.model.moe), in both models; experts=0 is
+# the dense MLP, and a dense model's dict leaves these out (kernels.model.family.model_fields).
+MOE_KEYS = ("experts", "top_k", "capacity_factor", "aux_loss_coef")
+MODEL_KEYS = (*MODEL_SIZES, "bias", *MOE_KEYS)
 # A Llama 3 (kernels.model.llama) names its family; kv_heads may be None (= heads).
 LLAMA_SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len")
-LLAMA_KEYS = ("family", *LLAMA_SIZES, "rope_theta", "norm_eps")
+LLAMA_KEYS = ("family", *LLAMA_SIZES, "rope_theta", "norm_eps", *MOE_KEYS)
 # kernels.train.data's Markov chain gives every token 4 distinct successors (its _BRANCH_WEIGHTS),
 # drawn from the vocabulary, so a smaller vocabulary cannot hold the chain.
 DATA_MIN_VOCAB = 4
@@ -108,7 +111,8 @@ def sharding_problems(zero: Any, fsdp_strategy: Any, mixed_precision: Any) -> li
 
 def model_problems(model: Any) -> list[Problem]:
     """The model's fields, those present (d_ff may be None): known keys, positive sizes, heads dividing
-    d_model, bias a bool; a Llama's (``"family": "llama"``) by ``llama_problems``."""
+    d_model, bias a bool, the experts' fields (``moe_problems``); a Llama's (``"family": "llama"``) by
+    ``llama_problems``."""
     if not isinstance(model, Mapping):
         return [("model-keys", f"the model must be a dict of {list(MODEL_KEYS)}, got {model!r:.80}")]
     if model.get("family") == "llama":
@@ -122,12 +126,12 @@ def model_problems(model: Any) -> list[Problem]:
     d_model, heads = model.get("d_model"), model.get("heads")
     if not out and is_int(d_model) and is_int(heads) and d_model % heads:
         out.append(("heads-d-model", f"d_model={d_model} must be divisible by heads={heads}"))
-    return out
+    return out + moe_problems(model)
 
 
 def llama_problems(model: Mapping[str, Any]) -> list[Problem]:
-    """A Llama's fields: known keys, positive sizes, hidden divided by heads and heads by kv_heads, and
-    a finite RoPE base and norm epsilon > 0."""
+    """A Llama's fields: known keys, positive sizes, hidden divided by heads and heads by kv_heads, a
+    finite RoPE base and norm epsilon > 0, and the experts' fields (``moe_problems``)."""
     bad = sorted(set(model) - set(LLAMA_KEYS), key=str)
     if bad:
         return [("model-keys", f"unknown Llama keys {bad}; known: {list(LLAMA_KEYS)}")]
@@ -140,7 +144,42 @@ def llama_problems(model: Mapping[str, Any]) -> list[Problem]:
     if not out and is_int(hidden) and is_int(heads) and (hidden % heads or (is_int(kv) and heads % kv)):
         out.append(("heads-d-model", f"hidden={hidden} must be divisible by heads={heads}, and heads by "
                     f"kv_heads={kv}"))
+    return out + moe_problems(model)
+
+
+def moe_problems(model: Mapping[str, Any]) -> list[Problem]:
+    """[moe-experts], [moe-top-k], [moe-capacity], [moe-aux-loss]: the mixture-of-experts fields, those present.
+
+    experts is an int >= 0 (0: the dense MLP); top_k an int >= 1, at most experts when there are experts;
+    capacity_factor None (dropless) or a finite number > 0; aux_loss_coef a finite number >= 0.
+    """
+    out = []
+    experts, top_k = model.get("experts", 0), model.get("top_k", 1)
+    if not (is_int(experts) and experts >= 0):
+        out.append(("moe-experts", f"experts must be an int >= 0 (0: the dense MLP), got {experts!r}"))
+    if not (is_int(top_k) and top_k >= 1):
+        out.append(("moe-top-k", f"top_k must be an int >= 1, got {top_k!r}"))
+    elif is_int(experts) and experts > 0 and top_k > experts:
+        out.append(("moe-top-k", f"top_k={top_k} must be at most experts={experts}: each token picks top_k "
+                    "different experts"))
+    capacity = model.get("capacity_factor")
+    if capacity is not None and not (is_real(capacity) and capacity > 0):
+        out.append(("moe-capacity", f"capacity_factor must be None (dropless) or a finite number > 0, "
+                    f"got {capacity!r}"))
+    coef = model.get("aux_loss_coef", 0.0)
+    if not (is_real(coef) and coef >= 0):
+        out.append(("moe-aux-loss", f"aux_loss_coef must be a finite number >= 0, got {coef!r}"))
     return out
+
+
+def moe_layout_problems(experts: Any, sequence_parallel: Any) -> list[Problem]:
+    """[moe-sp]: sequence parallel with experts is not built (the MoE would need its input gathered over
+    the sequence and its output scattered back, as the attention has; tp alone leaves it replicated)."""
+    if sequence_parallel is True and is_int(experts) and experts > 0:
+        return [("moe-sp", f"sequence_parallel with experts={experts} is not built: the mixture of experts would "
+                 "need its input gathered over the sequence and its output scattered back; use "
+                 "sequence_parallel=False (tp then splits the attention and keeps the experts whole on each rank)")]
+    return []
 
 
 def data_problems(vocab: Any) -> list[Problem]:

@@ -29,7 +29,8 @@ TP_SPLIT = {"heads": ("tp-heads", ""), "d_model": ("tp-d-model", ""), "d_ff": ("
 def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strategy: str | None = None,
                          dp_replicate: int | None = None, cpu_offload: bool = False, loss_parallel: bool = False,
                          schedule: str = "1f1b", stages_per_rank: int | None = None,
-                         microbatches: int | None = None) -> list[Problem]:
+                         microbatches: int | None = None, ep: int = 1, cp: int = 1,
+                         sequence_parallel: bool = False) -> list[Problem]:
     """Every rule the layout's fields break together, as (rule, message) pairs; empty when it can run.
 
     ``stages_per_rank`` and ``microbatches`` default as ``lab.Parallel`` resolves them.
@@ -42,11 +43,14 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
     if fsdp_strategy is not None and zero != 0 and zero not in FSDP_STRATEGY_ZERO[fsdp_strategy]:
         out.append(("zero-fsdp-agree", f"zero={zero} disagrees with fsdp_strategy={fsdp_strategy!r} "
                     "(zero 2 is grad_op, zero 3 is full, hybrid is 2 or 3)"))
-    if fsdp_strategy == "hybrid" and dp < 2:
-        out.append(("hybrid-dp", f"hybrid sharding splits dp into replicate x shard, needs dp >= 2, got dp={dp}"))
-    if dp_replicate is not None and (fsdp_strategy != "hybrid" or dp % dp_replicate):
+    # The ranks whose gradients meet: dp's, times cp's (context-parallel ranks share the weights).
+    data, name = dp * cp, "dp" if cp == 1 else "dp*cp"
+    if fsdp_strategy == "hybrid" and data < 2:
+        out.append(("hybrid-dp", f"hybrid sharding splits dp into replicate x shard, needs {name} >= 2, "
+                    f"got {name}={data}"))
+    if dp_replicate is not None and (fsdp_strategy != "hybrid" or data % dp_replicate):
         out.append(("dp-replicate", f"dp_replicate={dp_replicate} needs fsdp_strategy 'hybrid' and must divide "
-                    f"dp={dp} (dp = dp_replicate * dp_shard); got fsdp_strategy={fsdp_strategy!r}"))
+                    f"{name}={data} ({name} = dp_replicate * dp_shard); got fsdp_strategy={fsdp_strategy!r}"))
     stage = _zero_in_effect(zero, fsdp_strategy)
     if cpu_offload and stage != 3:
         out.append(("cpu-offload", "cpu_offload uses FSDP2's CPUOffloadPolicy, which this lab applies with full "
@@ -62,10 +66,74 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
                     "trains with wrong gradients on the ranks (they differ from the one-process reference); use "
                     "zero 2 (fsdp_strategy 'grad_op') or a schedule without split backward (gpipe, 1f1b, "
                     "interleaved_1f1b, looped_bfs)"))
+    out += expert_problems(ep, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, fsdp_strategy=fsdp_strategy,
+                           cpu_offload=cpu_offload)
+    out += context_problems(cp, pp=pp, sequence_parallel=sequence_parallel)
     if loss_parallel and pp > 1:
         out.append(("loss-parallel-pp", f"loss_parallel needs pp == 1, got pp={pp}: a pipeline schedule computes "
                     "the loss inside its last stage, outside torch's loss_parallel() context"))
     return out
+
+
+def expert_problems(ep: int, *, dp: int, tp: int, pp: int, cp: int, zero: int, fsdp_strategy: str | None,
+                    cpu_offload: bool) -> list[Problem]:
+    """[ep-dp], [ep-combination], [ep-sharding]: expert parallelism lives inside the data-parallel ranks.
+
+    The experts of each MoE layer are split over groups of ``ep`` dp ranks (EP inside DP, as
+    DeepSpeed-MoE and torchtitan place it); the dense parts stay data-parallel over all dp ranks.
+    """
+    if ep == 1:
+        return []
+    out = []
+    if dp % ep:
+        out.append(("ep-dp", f"ep={ep} must divide dp={dp}: the experts are split over groups of ep data-parallel "
+                    f"ranks (expert parallelism inside data parallelism), so use dp={ep} or a multiple"))
+    others = [f"{name}={n}" for name, n in (("tp", tp), ("pp", pp), ("cp", cp)) if n > 1]
+    if others:
+        out.append(("ep-combination", f"ep={ep} with {', '.join(others)} is not built in this lab: expert "
+                    "parallelism runs beside data parallelism (and ZeRO/FSDP on the dense parts) only. With tp every "
+                    "tp rank routes the same tokens, so the all-to-all would carry each copy tp times unless the experts "
+                    "were split over tp too (Megatron's expert TP); a pipeline stage or a cp shard would need its own "
+                    "expert groups per stage or per sequence chunk"))
+    if zero == 1 or fsdp_strategy in ("hybrid", "no_shard") or cpu_offload:
+        out.append(("ep-sharding", f"ep={ep} shards the experts as DTensors on the expert mesh, so the dense parts "
+                    "may use DDP (zero 0) or FSDP2 (zero 2/3) but not ZeroRedundancyOptimizer (zero 1, no "
+                    "DTensors), hybrid or no_shard FSDP, or CPU offload; got "
+                    f"zero={zero}, fsdp_strategy={fsdp_strategy!r}, cpu_offload={cpu_offload}"))
+    return out
+
+
+def context_problems(cp: int, *, pp: int, sequence_parallel: bool) -> list[Problem]:
+    """[cp-combination]: what context parallelism (ring attention over a cp axis) runs beside."""
+    if cp == 1:
+        return []
+    why = []
+    if pp > 1:
+        why.append(f"pp={pp} (not built in this lab: the stages would need each rank's positions)")
+    if sequence_parallel:
+        why.append("sequence_parallel (both split the sequence; CP already holds a sequence shard per rank)")
+    return [("cp-combination", f"cp={cp} cannot run with " + "; ".join(why))] if why else []
+
+
+def cp_chunk_problems(cp: int, seq_len: int | None) -> list[Problem]:
+    """[cp-chunks]: the zig-zag layout cuts each sequence into 2*cp equal chunks, two per rank."""
+    if cp > 1 and seq_len is not None and seq_len % (2 * cp):
+        return [("cp-chunks", f"seq_len={seq_len} must be divisible by 2*cp = {2 * cp}: each context-parallel rank "
+                 "holds two equal chunks, one from each end of the sequence (load-balanced causal attention)")]
+    return []
+
+
+def expert_split_problems(ep: int, experts: int | None) -> list[Problem]:
+    """[ep-experts]: each of the ep ranks of an expert group holds experts/ep whole experts."""
+    if ep == 1:
+        return []
+    if not experts:
+        return [("ep-experts", f"ep={ep} splits a mixture of experts, but the model has none: give it experts=E "
+                 "(lab.GPT(..., experts=8, top_k=2))")]
+    if experts % ep:
+        return [("ep-experts", f"experts={experts} must be divisible by ep={ep}: each rank of an expert group holds "
+                 "experts/ep whole experts")]
+    return []
 
 
 def tp_split_problems(tp: int, sizes: Mapping[str, int | None], sequence_parallel: bool = False) -> list[Problem]:

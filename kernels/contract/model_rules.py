@@ -8,7 +8,9 @@ meta device: ``layers`` (the blocks a pipeline cuts), ``tp_sizes`` (what tensor 
 the blocks, or None), ``tied`` (the head reuses the token embedding), and the ``vocab`` and training
 window ``seq_len`` the data needs, and ``sp``: what sequence parallelism does with the model's modules
 (``kernels.model.own_sequence_parallel.sequence_parallel_layout``), or why it cannot run on a sequence
-shard (``why_not``), or None without a plan. The ranks check the same
+shard (``why_not``), or None without a plan; ``ep``: the experts its config's expert-parallel plan names
+(``{"experts": E}``, ``kernels.model.own_experts``) or why expert parallelism cannot split them (``why_not``).
+The ranks check the same
 dict again, so a run started from a saved config meets the same rules.
 
 Run alone (prints the problems of a plan-less module under TP2×PP2)::
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kernels.contract.config_rules import Problem
+from kernels.contract.layout_combinations import expert_split_problems
 
 HF = "hf"
 MODULE = "module"
@@ -30,7 +33,7 @@ OWN_FAMILIES = (HF, MODULE)
 # "fused_qkv_colwise" is the lab's own, for GPT-2's one c_attn (q, k and v side by side, sharded by heads).
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "fused_qkv_colwise",
              "conv1d_rowwise", "conv1d_colwise", "replicated_with_grad_allreduce")
-_SHARED_KEYS = ("family", "layers", "tp_sizes", "tp_plan", "pp_plan", "tied", "vocab", "seq_len", "sp")
+_SHARED_KEYS = ("family", "layers", "tp_sizes", "tp_plan", "pp_plan", "tied", "vocab", "seq_len", "sp", "ep")
 OWN_KEYS = {HF: (*_SHARED_KEYS, "config"), MODULE: (*_SHARED_KEYS, "factory", "name")}
 
 
@@ -53,13 +56,16 @@ def own_model_problems(model: Mapping[str, Any]) -> list[Problem]:
     return []
 
 
-def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_parallel: bool) -> list[Problem]:
+def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_parallel: bool,
+                        cp: int = 1) -> list[Problem]:
     """The rules a layout meets on a model the user brought, each named.
 
     - [tp-plan]: tp > 1 needs a tensor-parallel plan (an HF config's own, the lab's for GPT-2, or ``tp_plan=``);
     - [tp-style]: every style in the plan is one the lab applies (``TP_STYLES``), named when it is not;
     - [tp-sp-model]: sequence parallel needs blocks of norms and planned regions, then norms and a head (``sp``);
-    - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan).
+    - [pp-blocks]: pp > 1 needs the block list (``blocks=``, or the config's pipeline plan);
+    - [cp-model]: cp > 1 is refused: context parallelism swaps each attention for a ring and gives the model
+      the rank's positions, which the lab can do in its own models only (``kernels.parallel.context_parallel``).
     """
     out: list[Problem] = []
     name = model.get("name") or "this model"
@@ -86,7 +92,25 @@ def own_layout_problems(model: Mapping[str, Any], *, tp: int, pp: int, sequence_
         out.append(("pp-blocks", f"pp={pp}: the pipeline plan of {name} leaves out "
                     f"{', '.join(model['pp_plan']['unplaced'])}, which holds parameters, so no stage is known "
                     "to run it; use pp=1"))
+    if cp > 1:
+        out.append(("cp-model", f"cp={cp} needs the lab's own attention: context parallelism swaps every attention "
+                    f"for ring attention and gives the model each rank's positions, which the lab can do in lab.GPT "
+                    f"and lab.Llama only, not in {name}; use cp=1"))
     return out
+
+
+def own_expert_problems(model: Mapping[str, Any], ep: int) -> list[Problem]:
+    """[ep-plan], [ep-experts]: ep > 1 splits the experts modules a Hugging Face config's ``base_model_ep_plan``
+    names (``model["ep"]``, read on the meta device): a model without such experts is refused with the reason,
+    and E must divide by ep. The ranks apply it again to the model they built."""
+    if ep == 1:
+        return []
+    why_not = (model.get("ep") or {"why_not": "no ep plan was read"}).get("why_not")
+    if why_not:
+        return [("ep-plan", f"ep={ep} splits the experts modules an expert-parallel plan names (a Hugging Face MoE "
+                 f"config's base_model_ep_plan, e.g. Mixtral's or Qwen3-MoE's), and cannot split "
+                 f"{model.get('name') or 'this model'}'s: {why_not}; use ep=1")]
+    return expert_split_problems(ep, model["ep"]["experts"])
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
     out += rules.flag_problems({name: getattr(c, name) for name in FLAGS})
     if is_own_model(c.model):  # a model the user brought, and the layout against it
         out += own_model_problems(c.model) or own_layout_problems(c.model, tp=s.tp, pp=s.pp,
-                                                                  sequence_parallel=s.sequence_parallel)
+                                                                  sequence_parallel=s.sequence_parallel, cp=s.cp)
     else:
         out += rules.model_problems(c.model)
     out += data_spec_problems(c.data)

@@ -56,6 +56,8 @@ class Strategy(Record):
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over groups of ep dp ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks, attention as a ring
     requested_zero: int = 0  # the stage the user chose (fsdp_strategy folded in)
     zero: int = 0  # the stage it runs at: FSDP2 replication of TP x DP runs zero 0 as 2 over one shard
     grad_sync: GradSync = GradSync.NONE
@@ -82,7 +84,7 @@ class Strategy(Record):
         if self.schedule is not None:
             object.__setattr__(self, "schedule", _schedule(self.schedule))
         object.__setattr__(self, "mesh_order", tuple(self.mesh_order))
-        problems = layout_problems(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero,
+        problems = layout_problems(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, zero=self.zero,
                                    fsdp_strategy="hybrid" if self.hybrid else None,
                                    dp_replicate=self.dp_replicate if self.hybrid else None,
                                    schedule=self.schedule or Schedule.ONE_F_ONE_B, microbatches=self.microbatches,
@@ -93,13 +95,18 @@ class Strategy(Record):
 
     @property
     def world(self) -> int:
-        """dp · tp · pp."""
-        return self.dp * self.tp * self.pp
+        """dp · cp · tp · pp."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks whose gradients meet (dp · cp): context-parallel ranks hold the same weights and different tokens."""
+        return self.dp * self.cp
 
     @property
     def dp_shard(self) -> int:
-        """Ranks one parameter is sharded over: dp / dp_replicate."""
-        return self.dp // self.dp_replicate
+        """Ranks one parameter is sharded over: dp · cp / dp_replicate."""
+        return self.data_ranks // self.dp_replicate
 
     @property
     def num_stages(self) -> int:
@@ -120,11 +127,17 @@ class Strategy(Record):
 
     def describe(self) -> str:
         """What was chosen and what it runs as, e.g. "TP2×DP2, ZeRO-0 (DP through FSDP2 replicate: ...)"."""
-        sizes = "×".join(f"{axis.upper()}{n}" for axis, n in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp))
+        sizes = "×".join(f"{axis.upper()}{n}" for axis, n in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
+                                                               ("dp", self.dp))
                          if n > 1) or "one rank"
         parts = [sizes]
-        if self.dp > 1 or self.requested_zero:
+        if self.data_ranks > 1 or self.requested_zero:
             parts.append(f"ZeRO-{self.requested_zero} ({self._how_dp()})")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep} inside DP{self.dp}: each MoE layer's experts split over groups of {self.ep} "
+                         "dp ranks, tokens sent by all-to-all")
+        if self.cp > 1:
+            parts.append(f"each sequence split over {self.cp} ranks in zig-zag chunks, ring attention")
         if self.pp > 1:
             v = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
             parts.append(f"{self.schedule} with {self.microbatches} micro-batches{v}")
@@ -158,7 +171,7 @@ _FLAG_WORDS = (("sequence_parallel", "sequence parallel"), ("loss_parallel", "lo
                ("compile", "torch.compile"))
 
 
-def layout_problems(*, dp: Any = 1, tp: Any = 1, pp: Any = 1, zero: Any = 0, fsdp_strategy: Any = None,
+def layout_problems(*, dp: Any = 1, tp: Any = 1, pp: Any = 1, ep: Any = 1, cp: Any = 1, zero: Any = 0, fsdp_strategy: Any = None,
                     dp_replicate: Any = None, schedule: Any = Schedule.ONE_F_ONE_B, microbatches: Any = None,
                     stages_per_rank: Any = None, sequence_parallel: Any = False, loss_parallel: Any = False,
                     activation_checkpointing: Any = False, mixed_precision: Any = None, cpu_offload: Any = False,
@@ -168,7 +181,7 @@ def layout_problems(*, dp: Any = 1, tp: Any = 1, pp: Any = 1, zero: Any = 0, fsd
     ``lab.Parallel`` and ``resolve_strategy`` call this, and a ``Strategy`` read back on a rank
     checks itself with it, so all three accept and refuse the same layouts.
     """
-    out = config_rules.size_problems({"dp": dp, "tp": tp, "pp": pp},
+    out = config_rules.size_problems({"dp": dp, "tp": tp, "pp": pp, "ep": ep, "cp": cp},
                                      {"microbatches": microbatches, "stages_per_rank": stages_per_rank,
                                       "dp_replicate": dp_replicate})
     out += config_rules.flag_problems({"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
@@ -181,10 +194,11 @@ def layout_problems(*, dp: Any = 1, tp: Any = 1, pp: Any = 1, zero: Any = 0, fsd
         return out
     return combination_problems(dp=dp, tp=tp, pp=pp, zero=zero, fsdp_strategy=fsdp_strategy,
                                 dp_replicate=dp_replicate, cpu_offload=cpu_offload, loss_parallel=loss_parallel,
-                                schedule=schedule, stages_per_rank=stages_per_rank, microbatches=microbatches)
+                                schedule=schedule, stages_per_rank=stages_per_rank, microbatches=microbatches,
+                                ep=ep, cp=cp, sequence_parallel=sequence_parallel)
 
 
-def resolve_strategy(*, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, fsdp_strategy: str | None = None,
+def resolve_strategy(*, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, zero: int = 0, fsdp_strategy: str | None = None,
                      dp_replicate: int | None = None, schedule: str = "1f1b", microbatches: int | None = None,
                      stages_per_rank: int | None = None, sequence_parallel: bool = False,
                      loss_parallel: bool = False, activation_checkpointing: bool | str = False,
@@ -195,7 +209,7 @@ def resolve_strategy(*, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, fs
     ``microbatches`` and ``stages_per_rank`` default as ``lab.Parallel`` resolves them.
     Raises ``ConfigError`` (a ValueError) naming every rule the layout breaks.
     """
-    fields = dict(dp=dp, tp=tp, pp=pp, zero=zero, fsdp_strategy=fsdp_strategy, dp_replicate=dp_replicate,
+    fields = dict(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, zero=zero, fsdp_strategy=fsdp_strategy, dp_replicate=dp_replicate,
                   schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
                   sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                   activation_checkpointing=activation_checkpointing, mixed_precision=mixed_precision,
@@ -208,18 +222,19 @@ def resolve_strategy(*, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, fs
     m = microbatches if microbatches is not None else default_microbatches(schedule, pp, v)
     requested = run_zero = zero_stage(zero, fsdp_strategy)
     hybrid = fsdp_strategy == "hybrid" and run_zero >= 2
-    replicate = hsdp_split(dp, dp_replicate)[0] if hybrid else 1
-    if pp == 1 and tp > 1 and dp > 1 and run_zero < 2:  # DDP cannot take TP DTensors: FSDP2 replication
-        run_zero, hybrid, replicate = 2, True, dp
+    data_ranks = dp * cp  # context-parallel ranks share the weights: their gradients meet as dp's do
+    replicate = hsdp_split(data_ranks, dp_replicate)[0] if hybrid else 1
+    if pp == 1 and tp > 1 and data_ranks > 1 and run_zero < 2:  # DDP cannot take TP DTensors: FSDP2 replication
+        run_zero, hybrid, replicate = 2, True, data_ranks
     if run_zero >= 2:
         sync = GradSync.FSDP
     elif run_zero == 1:
         sync = GradSync.ZERO1
-    elif dp > 1:
+    elif data_ranks > 1:
         sync = GradSync.ALLREDUCE if pp > 1 else GradSync.DDP
     else:
         sync = GradSync.NONE
-    return Strategy(dp=dp, tp=tp, pp=pp, requested_zero=requested, zero=run_zero, grad_sync=sync, hybrid=hybrid,
+    return Strategy(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, requested_zero=requested, zero=run_zero, grad_sync=sync, hybrid=hybrid,
                     dp_replicate=replicate, sequence_parallel=sequence_parallel,
                     loss_parallel=loss_parallel and tp > 1, activation_checkpointing=activation_checkpointing,
                     mixed_precision=mixed_precision, cpu_offload=cpu_offload, compile=compile,

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from kernels.contract import config_rules
 from kernels.contract.layout_combinations import stage_split_problems
-from kernels.contract.model_rules import is_own_model
+from kernels.contract.model_rules import is_own_model, own_expert_problems
 from kernels.contract.run_config import RunConfig
 from kernels.model.gpt import GPT, GPTConfig, build_gpt, count_parameters, loss_fn
 from kernels.model.llama import Llama, LlamaConfig, build_llama, keep_layers
@@ -55,6 +55,11 @@ class OwnConfig:
         """What tp must divide (``kernels.model.own_model.split_sizes``)."""
         return split_sizes(self.spec, sequence_parallel)
 
+    def expert_problems(self, ep: int) -> list[config_rules.Problem]:
+        """[ep-plan], [ep-experts]: what ep > 1 asks of the experts the model's ep plan names
+        (``kernels.contract.model_rules.own_expert_problems``)."""
+        return own_expert_problems(self.spec, ep)
+
 
 ModelConfig = GPTConfig | LlamaConfig | OwnConfig
 
@@ -70,12 +75,15 @@ def model_config(run: RunConfig) -> ModelConfig:
 
 
 def model_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """What ``RunConfig.model`` holds for ``cfg``: its fields without the seed (the run's), a Llama's family named."""
+    """What ``RunConfig.model`` holds for ``cfg``: its fields without the seed (the run's), a Llama's family named;
+    a dense model (experts=0) without the mixture-of-experts fields, so its dict is what it was before them."""
     if isinstance(cfg, OwnConfig):
         return dict(cfg.spec)
     if isinstance(cfg, LlamaConfig):
-        return {"family": LLAMA, **{k: getattr(cfg, k) for k in config_rules.LLAMA_KEYS if k != "family"}}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"}
+        fields = {"family": LLAMA, **{k: getattr(cfg, k) for k in config_rules.LLAMA_KEYS if k != "family"}}
+    else:
+        fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"}
+    return {k: v for k, v in fields.items() if cfg.experts or k not in config_rules.MOE_KEYS}
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:

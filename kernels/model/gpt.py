@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from kernels.contract import config_rules
+from kernels.model.moe import EXPERT_BIASES, EXPERT_RESIDUALS, MoE, refuse_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class GPTConfig:
     d_ff: int | None = None  # MLP hidden width; None means 4 * d_model (set in __post_init__)
     seed: int = 0  # initial weights depend on this seed only (see init_weights)
     bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
+    experts: int = 0  # > 0: each block's MLP is a routed mixture of this many experts (kernels.model.moe)
+    top_k: int = 2  # experts each token is routed to
+    capacity_factor: float | None = None  # None: dropless; else ceil(factor*T*top_k/experts) per expert and sequence
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the gradient (the reported loss is plain CE)
 
     def __post_init__(self) -> None:
         if self.d_ff is None and config_rules.is_int(self.d_model):
@@ -67,15 +72,23 @@ class GPTConfig:
         return self.d_model // self.heads
 
     def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
-        """The sizes tensor parallelism splits (the position table splits over seq_len even without SP)."""
-        return {"heads": self.heads, "d_model": self.d_model, "d_ff": self.d_ff, "vocab": self.vocab,
-                "seq_len": self.seq_len}
+        """The sizes tensor parallelism splits (the position table splits over seq_len even without SP; d_ff
+        only in a dense MLP: the experts stay whole on each tp rank)."""
+        sizes = {"heads": self.heads, "d_model": self.d_model, "d_ff": self.d_ff, "vocab": self.vocab,
+                 "seq_len": self.seq_len}
+        return {k: v for k, v in sizes.items() if not (self.experts and k == "d_ff")}
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(B, T, n*hd) -> (B, n, T, hd): a projection's output as n heads (n = its width / head_dim)."""
     B, T, _ = x.shape
     return x.view(B, T, -1, head_dim).transpose(1, 2)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of (B, h, T, hd) q, k, v in one process: the attention's default ``attend``, which context
+    parallelism replaces by a ring over its ranks (``kernels.parallel.context_parallel``)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,13 +100,14 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.attend = causal_attention  # (q, k, v) -> y; a plain attribute, so context parallelism can swap it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
         # Under TP the projections give this rank's heads only: (B, T, C/tp), so the
         # head count comes from the output width, not from the config.
         q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))  # (B, h, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
+        y = self.attend(q, k, v)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h*hd)
         return self.out(y)  # (B, T, C)
 
@@ -132,15 +146,19 @@ class GPT(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(nn.LayerNorm(cfg.d_model, bias=cfg.bias), CausalSelfAttention(cfg),
-                                                   nn.LayerNorm(cfg.d_model, bias=cfg.bias), MLP(cfg))
+                                                   nn.LayerNorm(cfg.d_model, bias=cfg.bias),
+                                                   MoE.from_config(cfg, cfg.d_model, cfg.d_ff, gated=False)
+                                                   if cfg.experts else MLP(cfg))
                                      for i in range(cfg.layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        # The input columns' global positions (None: 0..T-1); context parallelism sets the rank's own.
+        self.positions: torch.Tensor | None = None  # not a buffer: DDP would broadcast rank 0's to every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T) -> logits (B, T, V); a pipeline stage may take or give (B, T, C)."""
         if self.tok_emb is not None:  # first stage: x holds token ids (B, T)
-            pos = torch.arange(x.size(1), device=x.device)  # (T,)
+            pos = torch.arange(x.size(1), device=x.device) if self.positions is None else self.positions  # (T,)
             x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks.values():
             x = block(x)  # (B, T, C)
@@ -155,8 +173,12 @@ class GPT(nn.Module):
         return self.config.tp_sizes(sequence_parallel)
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
-        """(plan of every block, plan of the modules outside them) for ``parallelize_module``."""
-        return (block_tp_plan(sequence_parallel, ("attn.q", "attn.k", "attn.v", "mlp.fc_in"), ("attn.out", "mlp.fc_out")),
+        """(plan of every block, plan of the modules outside them) for ``parallelize_module``; a MoE block's
+        plan splits the attention only (every tp rank routes the same tokens through whole experts).
+        ConfigError [moe-sp] for sequence parallel with experts."""
+        refuse_sequence_parallel(self.config.experts, sequence_parallel)
+        mlp = ((), ()) if self.config.experts else (("mlp.fc_in",), ("mlp.fc_out",))
+        return (block_tp_plan(sequence_parallel, ("attn.q", "attn.k", "attn.v", *mlp[0]), ("attn.out", *mlp[1])),
                 outer_tp_plan(sequence_parallel, loss_parallel))
 
 
@@ -212,9 +234,10 @@ def param_seed(seed: int, name: str) -> int:
 def init_weights(model: GPT, seed: int) -> None:
     """GPT-2 init: N(0, 0.02) weights, zero biases, unit LayerNorm scales.
 
-    The residual projections (``attn.out``, ``mlp.fc_out``) get std 0.02/sqrt(2L), as
-    GPT-2 scales them for the 2L residual additions. Each tensor is drawn on the CPU
-    from its own generator seeded by (seed, name), then copied to the parameter's device.
+    The residual projections (``attn.out``, ``mlp.fc_out``, a MoE's ``mlp.experts.w_out``) get std
+    0.02/sqrt(2L), as GPT-2 scales them for the 2L residual additions. Each tensor is drawn on the CPU
+    from its own generator seeded by (seed, name), then copied to the parameter's device; a packed
+    expert tensor is drawn whole, so an expert's slice does not depend on how experts are sharded.
     """
     std_residual = 0.02 / math.sqrt(2 * model.config.layers)
     for mod_name, module in model.named_modules():
@@ -222,10 +245,10 @@ def init_weights(model: GPT, seed: int) -> None:
             name = f"{mod_name}.{p_name}" if mod_name else p_name
             if isinstance(module, nn.LayerNorm):
                 p.fill_(1.0 if p_name == "weight" else 0.0)
-            elif p_name == "bias":
+            elif p_name == "bias" or p_name in EXPERT_BIASES:
                 p.zero_()
             else:
-                residual = mod_name.endswith(("attn.out", "mlp.fc_out"))
+                residual = name.endswith(("attn.out.weight", "mlp.fc_out.weight", *EXPERT_RESIDUALS))
                 g = torch.Generator().manual_seed(param_seed(seed, name))
                 draw = torch.empty(p.shape).normal_(0.0, std_residual if residual else 0.02, generator=g)
                 p.copy_(draw)

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from kernels.contract import config_rules, layout_rules
 from kernels.model.gpt import Block, block_tp_plan, count_parameters, outer_tp_plan, param_seed, split_heads
+from kernels.model.moe import EXPERT_BIASES, EXPERT_RESIDUALS, MoE, refuse_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class LlamaConfig:
     rope_theta: float = 500000.0  # Llama 3's RoPE base
     norm_eps: float = 1e-5
     seed: int = 0  # a trained Llama's initial weights depend on this seed only (init_weights)
+    experts: int = 0  # > 0: each block's MLP is a routed mixture of this many experts (kernels.model.moe)
+    top_k: int = 2  # experts each token is routed to
+    capacity_factor: float | None = None  # None: dropless; else ceil(factor*T*top_k/experts) per expert and sequence
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the gradient (the reported loss is plain CE)
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -72,8 +77,10 @@ class LlamaConfig:
 
     def tp_sizes(self, sequence_parallel: bool = False) -> dict[str, int]:
         """The sizes tensor parallelism splits: query and key/value heads, the MLP width, the vocabulary;
-        the sequence too under sequence parallel (and the position table, where there is one)."""
-        sizes = {"heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab}
+        the sequence too under sequence parallel (and the position table, where there is one); not the MLP
+        width of experts, which stay whole on each tp rank."""
+        sizes = {"heads": self.heads, "kv_heads": self.kv_heads, "vocab": self.vocab,
+                 **({} if self.experts else {"ffn": self.ffn})}
         return {**sizes, "seq_len": self.seq_len} if sequence_parallel or self.learned_pos else sizes
 
     @classmethod
@@ -89,14 +96,22 @@ def _norm(cfg: LlamaConfig) -> nn.Module:
     return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate (B, h, T, hd) by position (rotate-half form, as in Hugging Face Llama)."""
+def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate (B, h, T, hd) by position (rotate-half form, as in Hugging Face Llama): ``positions`` (T,) are the
+    rows' global positions, 0..T-1 by default (a context-parallel rank holds others)."""
     T, hd = x.shape[-2], x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)  # (hd/2,)
-    angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, hd/2)
+    pos = torch.arange(T, device=x.device, dtype=torch.float32) if positions is None else positions.float()
+    angles = torch.outer(pos, inv)  # (T, hd/2)
     cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)  # (T, hd)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query SDPA in one process: the attention's default ``attend`` (context parallelism
+    replaces it by a ring over its ranks, ``kernels.parallel.context_parallel``)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -108,6 +123,8 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.v = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.attend = causal_gqa_attention  # (q, k, v) -> y; a plain attribute, so context parallelism can swap it
+        self.positions: torch.Tensor | None = None  # what RoPE rotates by (None: 0..T-1; context parallelism sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
@@ -115,8 +132,8 @@ class Attention(nn.Module):
         q = split_heads(self.q(x), self.head_dim)  # (B, h, T, hd)
         k, v = split_heads(self.k(x), self.head_dim), split_heads(self.v(x), self.head_dim)  # (B, kv, T, hd)
         if self.use_rope:
-            q, k = rope(q, self.theta), rope(k, self.theta)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, hd)
+            q, k = rope(q, self.theta, self.positions), rope(k, self.theta, self.positions)
+        y = self.attend(q, k, v)  # (B, h, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -135,25 +152,33 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, ffn[/tp]) -> (B, T, C)
 
 
+def _mlp(cfg: LlamaConfig) -> nn.Module:
+    if cfg.experts:
+        return MoE.from_config(cfg, cfg.hidden, cfg.ffn, gated=cfg.gated_mlp)
+    return MLP(cfg)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.learned_pos else None
-        self.blocks = nn.ModuleDict({str(i): Block(_norm(cfg), Attention(cfg), _norm(cfg), MLP(cfg))
+        self.blocks = nn.ModuleDict({str(i): Block(_norm(cfg), Attention(cfg), _norm(cfg), _mlp(cfg))
                                      for i in range(cfg.layers)})
         self.norm: nn.Module | None = _norm(cfg)
         # Tied: no head module; forward reuses tok_emb.weight (one copy of the vocab matrix).
         self.lm_head: nn.Linear | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden, cfg.vocab,
                                                                                      bias=False)
+        self.positions: torch.Tensor | None = None  # the input columns' global positions, as the GPT's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T) -> logits (B, T, V); a pipeline stage may take or give (B, T, C)."""
         if self.tok_emb is not None and not x.is_floating_point():  # first stage: token ids (B, T)
             h = self.tok_emb(x)  # (B, T, C)
             if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(x.size(1), device=x.device))  # (T, C) broadcast
+                pos = torch.arange(x.size(1), device=x.device) if self.positions is None else self.positions
+                h = h + self.pos_emb(pos)  # (T, C) broadcast
             x = h
         for block in self.blocks.values():
             x = block(x)  # (B, T, C)
@@ -171,9 +196,13 @@ class Llama(nn.Module):
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> tuple[dict, dict]:
         """Megatron's plan, as the GPT's: q/k/v/gate/up column-wise, o/down row-wise; the embedding
         row-parallel over the vocab, the head column-parallel over it; with sequence parallel the norms
-        work on sequence shards, with loss parallel the logits stay sharded over the vocab."""
-        columns = ("attn.q", "attn.k", "attn.v", "mlp.up") + (("mlp.gate",) if self.config.gated_mlp else ())
-        return (block_tp_plan(sequence_parallel, columns, ("attn.o", "mlp.down")),
+        work on sequence shards, with loss parallel the logits stay sharded over the vocab. A MoE block's plan
+        splits the attention only; ConfigError [moe-sp] for sequence parallel with experts."""
+        refuse_sequence_parallel(self.config.experts, sequence_parallel)
+        dense = not self.config.experts
+        columns = ("attn.q", "attn.k", "attn.v") + (("mlp.up",) if dense else ()) \
+            + (("mlp.gate",) if dense and self.config.gated_mlp else ())
+        return (block_tp_plan(sequence_parallel, columns, ("attn.o",) + (("mlp.down",) if dense else ())),
                 outer_tp_plan(sequence_parallel, loss_parallel))
 
 
@@ -197,19 +226,19 @@ def build_llama(cfg: LlamaConfig | Mapping[str, Any], device: str | torch.device
 @torch.no_grad()
 def init_weights(model: Llama, seed: int) -> None:
     """N(0, 0.02) matrices and embeddings, unit norm scales, zero biases; the residual projections
-    (``attn.o``, ``mlp.down``) 0.02/sqrt(2L), as GPT-2 scales them. Each tensor is drawn on the CPU
-    from its own generator seeded by (seed, name), so the weights do not depend on the device or on
-    the order modules are built in."""
+    (``attn.o``, ``mlp.down``, a MoE's ``mlp.experts.w_down``) 0.02/sqrt(2L), as GPT-2 scales them. Each
+    tensor is drawn on the CPU from its own generator seeded by (seed, name), so the weights do not
+    depend on the device or on the order modules are built in (a packed expert tensor is drawn whole)."""
     std_residual = 0.02 / math.sqrt(2 * model.config.layers)
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{p_name}" if mod_name else p_name
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 p.fill_(1.0 if p_name == "weight" else 0.0)
-            elif p_name == "bias":
+            elif p_name == "bias" or p_name in EXPERT_BIASES:
                 p.zero_()
             else:
-                std = std_residual if mod_name.endswith(("attn.o", "mlp.down")) else 0.02
+                std = std_residual if name.endswith(("attn.o.weight", "mlp.down.weight", *EXPERT_RESIDUALS)) else 0.02
                 g = torch.Generator().manual_seed(param_seed(seed, name))
                 p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 

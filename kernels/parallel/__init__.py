@@ -5,6 +5,8 @@
 - ``activation_checkpoint``: per-block recomputation (``apply_ac``);
 - ``fsdp``: ZeRO-2/3 and HSDP with FSDP2 (``apply_fsdp``);
 - ``ddp``: torch DDP (``apply_ddp``); ``zero1``: ZeroRedundancyOptimizer (``build_zero1_optimizer``);
+- ``expert_parallel``: each MoE layer's experts split over ep data-parallel ranks, tokens sent by
+  all-to-all (``apply_ep``, ``ExpertGradSync``);
 - ``pipeline``: stages and torch's pipeline schedules (``build_pipeline``);
 - ``strategy``: the frozen ``Strategy`` a run config resolves to;
 - ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP.

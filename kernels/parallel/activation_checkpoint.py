@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kernels.parallel.ring_attention import computing_ring
+
 _aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
 # The ops whose outputs selective checkpointing keeps: the matmuls (a Linear is addmm or mm under
 # its views) and the collectives (TP's all-reduce, SP's all-gather and reduce-scatter).
@@ -48,7 +50,7 @@ _observers: list[Callable[[Any], None]] = []
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """SAC's policy: keep the output of ``SAVED_OPS``, recompute any other op. Called in forward, after the op ran,
     with its output on ``ctx.op_output``; each observer (``observe_selective_saves``) is shown what is kept."""
-    if op not in SAVED_OPS:
+    if op not in SAVED_OPS or computing_ring():  # a ring attention's matmuls are its scores: recomputed, as SDPA
         return CheckpointPolicy.PREFER_RECOMPUTE
     for observer in _observers:
         observer(ctx.op_output)

@@ -21,6 +21,7 @@ Run alone (DDP on 2 ranks, compared with one process)::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from typing import Iterator
 
 import torch.nn as nn
@@ -29,13 +30,18 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float = 25.0) -> DDP:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: float = 25.0,
+              ignored: Collection[str] = ()) -> DDP:
     """Wrap ``model`` in DDP over the 1D ``dp_mesh`` (the model must hold plain tensors).
 
     DDP cannot average DTensor (TP) gradients: TP layouts replicate with FSDP2 on the dp axis instead.
+    ``ignored`` names parameters DDP neither broadcasts nor reduces: expert parallelism's DTensor experts,
+    whose gradients ``kernels.parallel.expert_parallel.ExpertGradSync`` reduces.
     """
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(isinstance(p, DTensor) for name, p in model.named_parameters() if name not in ignored):
         raise ValueError("apply_ddp replicates plain tensors: this model holds DTensors (TP); use FSDP on dp")
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignored))
     device_ids = None  # CPU / gloo; on CUDA DDP infers the device from the parameters
     # A model the user brought may leave parameters without a gradient in a step (an expert no token
     # reached): DDP then finds them each backward instead of waiting for them forever.

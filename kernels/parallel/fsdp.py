@@ -44,14 +44,16 @@ _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hybrid: bool = False,
-               mixed_precision: str | None = None, cpu_offload: bool = False, prefetch: bool = False) -> nn.Module:
+               mixed_precision: str | None = None, cpu_offload: bool = False, prefetch: bool = False,
+               ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``model`` with ``fully_shard``: every block first, then the root.
 
     ``dp_mesh``: the 1D dp sub-mesh, or for ``hybrid`` the 2D (dp_replicate, dp_shard)
     mesh from ``kernels.parallel.mesh.build_hsdp_mesh``. ``zero_stage`` 2 keeps parameters
     whole from forward to backward, 3 frees them after each unit's forward. ``prefetch``
     (a whole model, not a pipeline stage) overlaps all-gathers with compute on a CPU mesh
-    too (``_prefetch_on_cpu``).
+    too (``_prefetch_on_cpu``). ``ignored_params`` stay as they are, unsharded and unreduced: expert
+    parallelism's DTensor experts (``kernels.parallel.expert_parallel``).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage!r}")
@@ -62,6 +64,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hy
         "reshard_after_forward": zero_stage == 3,
         "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+        "ignored_params": ignored_params or None,
     }
     # Units are blocks: each all-gathers only its own parameters, so at most about
     # one block is whole at a time under ZeRO-3 (plus the root's, gathered for the

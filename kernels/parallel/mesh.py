@@ -37,50 +37,73 @@ class ParallelDims:
     tp: int = 1  # tensor-parallel degree (Megatron column/row split)
     pp: int = 1  # pipeline-parallel degree
     world_size: int = 1  # must equal dp * tp * pp
-    dp_replicate: int = 1  # HSDP: replica groups of the dp axis (1 without HSDP); dp_shard = dp // dp_replicate
+    dp_replicate: int = 1  # HSDP: replica groups of the data axis (1 without HSDP); dp_shard = data // dp_replicate
+    cp: int = 1  # context-parallel degree: each dp replica's sequences split over cp ranks (inside the data axis)
+    ep: int = 1  # expert-parallel degree: each MoE layer's experts split over groups of ep dp ranks
     # Rank order over the axes, outermost first: the default keeps tp on neighbouring ranks (one
     # host); another order (e.g. ("pp", "tp", "dp")) spreads tp over hosts, to see what that costs.
     order: tuple[str, ...] = MESH_AXES
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "world_size", "dp_replicate"):
+        for name in ("dp", "tp", "pp", "world_size", "dp_replicate", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelDims.{name} must be a positive int, got {value!r}")
-        if self.dp * self.tp * self.pp != self.world_size:
-            raise ValueError(f"ParallelDims: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
-                             f"{self.dp * self.tp * self.pp} must equal the world size {self.world_size}")
+        if self.data * self.tp * self.pp != self.world_size:
+            raise ValueError(f"ParallelDims: dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp} = "
+                             f"{self.data * self.tp * self.pp} must equal the world size {self.world_size}")
         if mesh_order_problems(self.order):
             raise ValueError(f"ParallelDims.order must name pp, dp and tp once each, got {self.order!r}")
-        if self.dp % self.dp_replicate:
-            raise ValueError(f"ParallelDims: dp_replicate={self.dp_replicate} must divide dp={self.dp}")
+        if self.data % self.dp_replicate:
+            raise ValueError(f"ParallelDims: dp_replicate={self.dp_replicate} must divide dp*cp={self.data}")
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelDims: ep={self.ep} must divide dp={self.dp}")
+
+    @property
+    def data(self) -> int:
+        """Ranks on the mesh's "dp" axis, whose gradients meet: dp replicas times their cp sequence shards."""
+        return self.dp * self.cp
 
     @property
     def dp_shard(self) -> int:
-        """Ranks one parameter is sharded over (HSDP's shard group; all of dp without HSDP)."""
-        return self.dp // self.dp_replicate
+        """Ranks one parameter is sharded over (HSDP's shard group; the whole data axis without HSDP)."""
+        return self.data // self.dp_replicate
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index on each mesh axis, from the row-major rank order ``order`` ((pp, dp, tp) by default)."""
-        out = coords(rank, {"pp": self.pp, "dp": self.dp, "tp": self.tp}, self.order)
-        return {axis: out[axis] for axis in MESH_AXES}
+        """This rank's index on each mesh axis, from the row-major rank order ``order`` ((pp, dp, tp) by default).
+
+        With cp > 1 the data axis index d splits into the replica ``dp`` = d // cp and ``cp`` = d % cp.
+        """
+        out = coords(rank, {"pp": self.pp, "dp": self.data, "tp": self.tp}, self.order)
+        out = {axis: out[axis] for axis in MESH_AXES}
+        if self.cp > 1:
+            out["dp"], out["cp"] = divmod(out["dp"], self.cp)
+        return out
+
+    def batch_rank(self, data_rank: int) -> int:
+        """The dp replica whose share of the batch the rank at ``data_rank`` on the data axis reads (cp ranks share one)."""
+        return data_rank // self.cp
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """The (pp, dp, tp) mesh over ranks 0..dims.world_size-1; pass "cpu" explicitly on CPU (FSDP2 + gloo, docs/design.md#fsdp2-on-cpu).
 
+    Its "dp" axis is the data axis of ``dims.data`` = dp · cp ranks: every rank on it holds the same
+    weights, so DDP, FSDP and the loss average over it; ``build_cp_mesh`` splits it into the ring groups.
+
     Every rank of the process group must call it (group creation is collective); a
     rank beyond ``dims.world_size`` gets a mesh with ``get_coordinate() is None``.
     """
     if tuple(dims.order) == MESH_AXES:
-        return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_AXES)
+        return init_device_mesh(device_type, (dims.pp, dims.data, dims.tp), mesh_dim_names=MESH_AXES)
     return DeviceMesh(device_type, rank_grid(dims), mesh_dim_names=MESH_AXES)
 
 
 def rank_grid(dims: ParallelDims) -> torch.Tensor:
     """The (pp, dp, tp) grid of global ranks: laid out row-major in ``dims.order``, then the axes put
     back to (pp, dp, tp) so that every user indexes it alike."""
-    grid = torch.arange(dims.world_size).view(*(getattr(dims, a) for a in dims.order))
+    sizes = {"pp": dims.pp, "dp": dims.data, "tp": dims.tp}
+    grid = torch.arange(dims.world_size).view(*(sizes[a] for a in dims.order))
     return grid.permute(*(dims.order.index(a) for a in MESH_AXES)).contiguous()
 
 
@@ -93,6 +116,20 @@ def build_hsdp_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     grid = rank_grid(dims).reshape(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
     full = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     return full["dp_replicate", "dp_shard"]
+
+
+def build_cp_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
+    """The 1D "cp" mesh of this rank's ring: the cp ranks of one dp replica (neighbours on the data axis)."""
+    grid = rank_grid(dims).reshape(dims.pp, dims.dp, dims.cp, dims.tp)
+    return DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_replica", "cp", "tp"))["cp"]
+
+
+def build_ep_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
+    """The 2D ("ep_replicate", "ep") mesh of the experts: groups of ep dp-neighbours split the experts, and the
+    dp / ep groups replicate them (their gradients are summed over "ep_replicate")."""
+    grid = rank_grid(dims).reshape(dims.pp, dims.dp // dims.ep, dims.ep, dims.tp)
+    full = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "ep_replicate", "ep", "tp"))
+    return full["ep_replicate", "ep"]
 
 
 # --- per-axis helpers ------------------------------------------------------------------

@@ -113,11 +113,6 @@ def _selftest(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    import socket
+    from kernels.engine.run_alone import spawn_with_port
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    mp.spawn(_selftest, args=(free,), nprocs=2)
+    spawn_with_port(_selftest, 2)

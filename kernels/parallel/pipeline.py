@@ -45,6 +45,7 @@ from torch.distributed.pipelining import (
 from kernels.contract import layout_rules
 from kernels.contract.layout_rules import Schedule
 from kernels.model.family import ModelConfig, build_model, keep_stage
+from kernels.model.moe import scale_aux_gradient
 
 # gpipe/1f1b are PipelineScheduleSingle (take one stage); the rest take a list of stages.
 # Names and placement families: kernels.contract.layout_rules.
@@ -124,6 +125,7 @@ def build_pipeline(cfg: ModelConfig, schedule: str, pp_rank: int, pp_size: int,
     for sid in stage_ids:
         # A deep copy per stage: keep_stage cuts in place, and each stage owns its tensors.
         module = keep_stage(copy.deepcopy(full), sid, num_stages)
+        scale_aux_gradient(module, 1 / microbatches)  # a MoE's balance-loss gradient, divided as the loss is
         if model_transform is not None:
             module = model_transform(module) or module
         modules.append(module)

@@ -20,25 +20,32 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kernels.parallel.ring_attention import zigzag_positions
 from kernels.train.data import GlobalBatches, SyntheticTokens, shard_batch
 
 
 class BatchStream:
     """(inputs, targets) of this dp rank's share for steps first_step..steps-1, each (B/dp, T) on ``device``.
 
+    With context parallelism (``cp`` > 1) each is (B/dp, T/cp): the columns ``zigzag_positions(T, cp, cp_rank)``
+    of the replica's share, the positions the rank's ring attention holds (``kernels.parallel.context_parallel``).
     ``ahead`` batches are built in a background thread (default: 2 on CUDA, 0 on the CPU).
     ``first_step`` > 0 resumes the data where a checkpoint left it.
     """
 
     def __init__(self, data: GlobalBatches, *, steps: int, global_batch: int, dp_rank: int, dp: int,
-                 device: torch.device, ahead: int | None = None, first_step: int = 0) -> None:
+                 device: torch.device, ahead: int | None = None, first_step: int = 0, cp: int = 1,
+                 cp_rank: int = 0) -> None:
         self.data, self.steps, self.global_batch, self.first_step = data, steps, global_batch, first_step
-        self.dp_rank, self.dp, self.device = dp_rank, dp, device
+        self.dp_rank, self.dp, self.device, self.cp, self.cp_rank = dp_rank, dp, device, cp, cp_rank
         self.ahead = (2 if device.type == "cuda" else 0) if ahead is None else ahead
         self._pin = device.type == "cuda" and torch.cuda.is_available()
 
     def _build(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = shard_batch(*self.data.global_batch(step, self.global_batch), self.dp_rank, self.dp)
+        if self.cp > 1:  # targets too: each rank's loss is over the tokens it holds
+            columns = zigzag_positions(inputs.size(1), self.cp, self.cp_rank)
+            inputs, targets = inputs[:, columns], targets[:, columns]
         if self._pin:  # a pinned source lets the copy to the GPU run asynchronously
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs, targets

@@ -15,7 +15,9 @@ rank's), layout (coords, strategy, per-parameter global/local shapes and
 placements; with pp also dp_strategy, schedule, stage_ids and stage_layers) and
 params (this rank's parameters gathered whole, by name: every parameter, or with pp
 its stages'); with measure, measure (``kernels.train.measured_run``'s record); with trace (pp
-only), trace (``kernels.train.step_hooks.PipelineTracer``'s record); with watch_collectives or
+only), trace (``kernels.train.step_hooks.PipelineTracer``'s record); with cp > 1, ring_steps (the last
+step's ``kernels.contract.expert_context_records.RingStep`` dicts); with experts, routing_steps (every
+step's ``kernels.contract.expert_context_records.RoutingStep`` dicts, one per MoE layer); with watch_collectives or
 faults, waits (``kernels.watch.collective_log.StepWait`` dicts, from ``kernels.watch.rank_watch``).
 
 Run alone (prints the strategy the options resolve to, then the losses beside the one-process reference;
@@ -60,13 +62,16 @@ def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
     probe, tracer = build.probes()
     if watch is not None:
         build.attach(watch)
-    losses, times, norms = _loop(build, StepHooks(run.steps - first, probe, tracer), ckpt, watch)
+    losses, times, norms = _loop(build, StepHooks(run.steps - first, probe, tracer, build.ring_log), ckpt, watch)
     out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),
            **build.records(run.return_params)}
     if probe is not None:  # the measured record beside the layout it measured
         out["measure"] = build.measure_record(out["layout"], probe, losses[-1])
     if tracer is not None:
         out["trace"] = build.trace_record(tracer)
+    if build.ring_log is not None:  # context parallelism: the last step's ring steps (RingStep dicts)
+        out["ring_steps"] = build.ring_log.rows
+    out.update(build.routing_records())  # a model with experts: each step's routing per MoE layer
     return out
 
 
@@ -75,14 +80,15 @@ def _loop(build: RankBuild, hooks: StepHooks, ckpt: RunCheckpoints, watch: RankW
     batches = build.batches(ckpt.first_step, run.steps - ckpt.first_step)
     if ckpt.first_step:
         settle_ddp_buckets(build.step_fn, batches, build.optimizer)
+        build.routing.discard()  # that forward trained no step
     watched = watch.batches(batches) if watch is not None else batches
     progress = reporter_for(run.steps - ckpt.first_step, run.global_batch * model_config(run).seq_len, build.device,
                             build.step_fn, run.world_size, watch.log.step_wait_so_far if watch is not None else None) \
         if run.progress else None
     with progress or contextlib.nullcontext():
-        out = train_loop(build.step_fn, build.optimizer, watched, dp=build.dims.dp, dp_group=dp_group(build.mesh),
-                         hooks=hooks, record_grad_norm=run.record_grad_norm, on_step=ckpt.after_step,
-                         progress=progress)
+        out = train_loop(build.step_fn, build.optimizer, watched, dp=build.dims.data, dp_group=dp_group(build.mesh),
+                         hooks=hooks, record_grad_norm=run.record_grad_norm,
+                         on_step=build.after_step(ckpt.first_step, ckpt.after_step), progress=progress)
     ckpt.close()  # an asynchronous save still in flight is named before the run returns
     return out
 

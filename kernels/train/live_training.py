@@ -75,15 +75,15 @@ class LiveTraining:
         probe, tracer = build.probes()
         self.checkpoints.segment(first, first + steps, self.losses)
         losses, times, norms = train_loop(build.step_fn, build.optimizer, build.batches(first, steps),
-                                          dp=build.dims.dp, dp_group=dp_group(build.mesh),
+                                          dp=build.dims.data, dp_group=dp_group(build.mesh),
                                           hooks=StepHooks(steps, probe, tracer),
                                           record_grad_norm=self.run.record_grad_norm,
-                                          on_step=self.checkpoints.after_step)
+                                          on_step=build.after_step(first, self.checkpoints.after_step))
         self.next_step += steps
         self.losses += losses
         self.checkpoints.wait()  # the call returns once its checkpoints are complete, as a one-call run
         out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
-               **build.records(return_params)}
+               **build.records(return_params), **build.routing_records()}
         if probe is not None:
             out["measure"] = build.measure_record(out["layout"], probe, losses[-1])
         if tracer is not None:
@@ -110,6 +110,7 @@ class LiveTraining:
                                optimizer_settings=optimizer_settings)
         self.next_step, self.losses = int(meta["step"]), list(meta.get("losses", []))
         settle_ddp_buckets(build.step_fn, build.batches(self.next_step, 1), build.optimizer)  # DDP's rebuilt buckets, as if never stopped
+        build.routing.discard()  # that forward trained no step
         return meta
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leave
 alone here (``_CollectiveMeter``). Config keys are ``kernels.contract.run_config.RunConfig``'s;
 ``steps`` defaults to 2 here.
 
-Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp, tp, pp},
+Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp (the data axis: dp·cp), tp, pp, dp_replicate, ep, cp},
 "params": describe_params, "optimizer_params": [names] (ZeRO-1 only), "memory":
 {"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
 "comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
@@ -177,5 +177,7 @@ def step_probe(model: nn.Module, optimizer, device: torch.device) -> StepProbe:
 def measure_record(layout: dict[str, Any], dims: Any, device: torch.device, probe: StepProbe,
                    **extra: Any) -> dict[str, Any]:
     """The record (module docstring): this rank's layout record, the mesh sizes and what ``probe`` measured."""
-    return {**layout, "dims": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate}, "device": str(device),
+    # "dp" is the data axis (dp·cp ranks): the ranks ZeRO/FSDP shard over and gradients meet on.
+    return {**layout, "dims": {"dp": dims.data, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+                               "ep": dims.ep, "cp": dims.cp}, "device": str(device),
             **extra, **probe.rows()}

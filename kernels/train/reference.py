@@ -27,6 +27,8 @@ import torch
 
 from kernels.train.data import dataset, microbatches
 from kernels.model.family import build_model, model_config, model_loss
+from kernels.model.moe import scale_aux_gradient
+from kernels.model.moe_routing import RoutingLog
 from kernels.train.optimizer import build_optimizer
 from kernels.parallel.autocast import apply_autocast
 from kernels.contract.run_config import RunConfig
@@ -35,7 +37,9 @@ from kernels.contract.run_config import RunConfig
 def train_reference(run: RunConfig) -> dict[str, Any]:
     """Train on one process; returns losses and gradient norms per step, and the final parameters.
 
-    ``{"losses": [float], "grad_norms": [float], "params": {name: fp32 tensor}}``.
+    ``{"losses": [float], "grad_norms": [float], "params": {name: fp32 tensor}, "first_step": int,
+    "routing": [RoutingStep dicts]}``: with experts, every step's routing per MoE layer (rank 0, ep 1;
+    ``kernels.model.moe_routing``), else [].
 
     ``run.strategy.microbatches`` > 1 accumulates gradients as the layouts do (it does not
     change the maths, only the summation order). ``run.resume_from`` starts from a
@@ -51,6 +55,8 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
         apply_autocast(model, "cpu")
     fsdp_bf16 = run.strategy.mixed_precision == "bf16" and not autocast  # FSDP2's bf16 parameters
     n_micro = run.strategy.microbatches if run.strategy.pp == 1 else 1
+    scale_aux_gradient(model, 1 / n_micro)  # a MoE's balance-loss gradient, divided as the loss is below
+    routing = RoutingLog([model])  # a bf16 copy made below carries its hooks along
     losses, norms = [], []
     for step in range(first, run.steps):
         inputs, targets = data.global_batch(step, run.global_batch)  # (B, T) each
@@ -69,8 +75,10 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
+        routing.end_step(step)
+    routing.close()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "params": params, "first_step": first}
+    return {"losses": losses, "grad_norms": norms, "params": params, "first_step": first, "routing": routing.rows}
 
 
 def resume_point(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -13,6 +13,7 @@ the whole process group) and holds nothing: ``idle`` is true.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,12 +27,15 @@ from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
 from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record, step_probe
 from kernels.model.family import OwnConfig, build_model, model_config, model_loss
+from kernels.model.moe_routing import RoutingLog
 from kernels.train.optimizer import build_optimizer, optimizer_class
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
 from kernels.parallel.fsdp import describe_params, full_parameters
-from kernels.parallel.mesh import (ParallelDims, build_hsdp_mesh, build_mesh, destroy_mesh_groups, dp_group, dp_rank,
-                                   pp_group, pp_rank)
+from kernels.parallel.context_parallel import RingLog
+from kernels.parallel.expert_parallel import ExpertGradSync, expert_parameters
+from kernels.parallel.mesh import (ParallelDims, build_cp_mesh, build_ep_mesh, build_hsdp_mesh, build_mesh,
+                                   destroy_mesh_groups, dp_group, dp_rank, pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
 from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
@@ -46,7 +50,7 @@ def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, St
         raise ValueError(f"world_size={world_size} is more than the {dist.get_world_size()} ranks of the process group")
     s = run.strategy
     return ParallelDims(dp=s.dp, tp=s.tp, pp=s.pp, world_size=world_size, dp_replicate=s.dp_replicate,
-                        order=s.mesh_order), s
+                        order=s.mesh_order, cp=s.cp, ep=s.ep), s
 
 
 def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, device: torch.device):
@@ -58,6 +62,20 @@ def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, d
     if strategy.grad_sync is GradSync.ZERO1:
         return build_zero1_optimizer(model, mesh["dp"], optimizer_class(run), **run.optimizer_kwargs(device_type))
     return build_optimizer(model.parameters(), run, device_type)
+
+
+def _uncounted_shape_inference(stages: list, routing: RoutingLog) -> None:
+    """Keep each stage's shape inference out of the routing records: before its first schedule step torch runs one
+    micro-batch through the stage (the private ``_forward_metadata_inference``; a torch without it runs none)."""
+    for stage in stages:
+        infer = getattr(stage, "_forward_metadata_inference", None)
+        if infer is not None:
+            stage._forward_metadata_inference = functools.partial(_paused, routing, infer)
+
+
+def _paused(routing: RoutingLog, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with routing.paused():
+        return fn(*args, **kwargs)
 
 
 class RankBuild:
@@ -76,20 +94,34 @@ class RankBuild:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         self.mesh = build_mesh(self.dims, self.device.type)  # collective over every rank of the process group
         self.dp_mesh = build_hsdp_mesh(self.dims, self.device.type) if self.strategy.hybrid else None
+        self.cp_mesh = build_cp_mesh(self.dims, self.device.type) if self.dims.cp > 1 else None  # collective too
+        self.ep_mesh = build_ep_mesh(self.dims, self.device.type) if self.dims.ep > 1 else None  # collective too
         self.idle = self.mesh.get_coordinate() is None
+        # Context parallelism: this rank's place in its ring, and the ring steps of the last step's forward.
+        self.cp_rank = self.cp_mesh.get_local_rank() if self.cp_mesh is not None and not self.idle else 0
+        self.ring_log = RingLog(dist.get_rank(), self.cp_rank, self.dims.cp) \
+            if self.cp_mesh is not None and not self.idle else None
         self.model = self.pipe = self.params_module = self.optimizer = None  # an idle rank holds nothing
+        self.routing: RoutingLog | None = None  # each MoE layer's routing per step (no layers: a dense model)
         if not self.idle:
             self._build_pipeline() if self.dims.pp > 1 else self._build_flat()
+            ep_rank = self.ep_mesh.get_local_rank("ep") if self.ep_mesh is not None else 0
+            self.routing = RoutingLog(list(self.pipe.modules) if self.pipe else [self.params_module], dist.get_rank(),
+                                      ep_rank, self.dims.ep)
+            if self.pipe and self.routing.layers:
+                _uncounted_shape_inference(self.pipe.stages, self.routing)
 
     def _build_flat(self) -> None:
         self.model = parallelize(build_model(model_config(self.run), device=self.device), self.strategy, self.mesh,
-                                 self.dp_mesh)
+                                 self.dp_mesh, self.cp_mesh, self.ring_log, ep_mesh=self.ep_mesh)
         self.params_module = unwrap(self.model)
         self.optimizer = rank_optimizer(self.params_module, self.strategy, self.mesh, self.run, self.device)
         if self.run.measure:  # reroutes DDP's buckets through Python, before the first backward
             step_probe(self.model, self.optimizer, self.device)
+        expert_sync = ExpertGradSync(expert_parameters(self.params_module), self.ep_mesh, self.dims.data) \
+            if self.ep_mesh is not None else None
         self.step_fn = FlatStep(self.model, self.strategy.microbatches, self.strategy.loss_parallel, self.device,
-                                model_loss(model_config(self.run)))
+                                model_loss(model_config(self.run)), expert_sync)
 
     def _build_pipeline(self) -> None:
         run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
@@ -109,8 +141,8 @@ class RankBuild:
     def batches(self, first: int, steps: int) -> BatchStream:
         """This rank's share of the global batches ``first`` .. ``first + steps - 1``."""
         return BatchStream(dataset(self.run), steps=first + steps, first_step=first,
-                           global_batch=self.run.global_batch, dp_rank=dp_rank(self.mesh), dp=self.dims.dp,
-                           device=self.device)
+                           global_batch=self.run.global_batch, dp_rank=self.dims.batch_rank(dp_rank(self.mesh)),
+                           dp=self.dims.dp, cp=self.dims.cp, cp_rank=self.cp_rank, device=self.device)
 
     def attach(self, watch) -> None:
         """Let a ``kernels.watch.rank_watch.RankWatch`` see this build's modules and optimizer."""
@@ -171,12 +203,31 @@ class RankBuild:
                 "micro_batch": run.global_batch // (self.dims.dp * s.microbatches),
                 "activation_checkpointing": s.activation_checkpointing, "mixed_precision": s.mixed_precision,
                 "precision": "autocast" if s.autocast else ("bf16" if s.mixed_precision else "fp32"),
-                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel, "compile": s.compile}
+                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel, "compile": s.compile,
+                "cp": s.cp}
 
     def trace_record(self, tracer: PipelineTracer) -> dict[str, Any]:
         """The pipeline tracer's record of this rank's place in the mesh."""
         return tracer.record(pp_rank(self.mesh), dp_rank(self.mesh), self.dims.dp, self.dims.pp)
 
+    def after_step(self, first: int, then: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+        """``train_loop``'s ``on_step`` for a segment that starts at step ``first``: close the step's routing records
+        (a model with experts), then ``then(step, loss)`` (the checkpoints)."""
+        if self.routing is None or not self.routing.layers:
+            return then
+
+        def after(step: int, loss: Any) -> None:
+            self.routing.end_step(first + step)
+            then(step, loss)
+        return after
+
+    def routing_records(self) -> dict[str, Any]:
+        """``{"routing_steps": [RoutingStep dicts]}`` of the steps closed since the last call (a model with experts),
+        else nothing."""
+        return {"routing_steps": self.routing.take()} if self.routing is not None and self.routing.layers else {}
+
     def close(self) -> None:
         """Destroy the mesh's sub-groups."""
-        destroy_mesh_groups(self.mesh, self.dp_mesh)
+        if self.routing is not None:
+            self.routing.close()
+        destroy_mesh_groups(self.mesh, self.dp_mesh, self.cp_mesh, self.ep_mesh)

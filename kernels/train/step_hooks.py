@@ -18,6 +18,9 @@ costs what it did), both on the last step only:
   rank's stages and optimizer, it also samples memory after each action
   (``kernels.measure.memory_timeline``; the record's ``memory``).
 
+With context parallelism a ring log (``kernels.parallel.context_parallel.RingLog``) records the ring
+steps of the last step's last micro-batch forward: a few small dicts per attention layer.
+
 Run alone (traces a PP 4 step with synthetic costs)::
 
     torchrun --nproc-per-node 4 -m kernels.train.entry --pp 4 --layers 4 --microbatches 8 --trace
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from kernels.train.measured_run import PipelineProbe, StepProbe
 from kernels.measure.memory_timeline import MemorySampler
+from kernels.parallel.context_parallel import RingLog
 from kernels.parallel.pipeline import PipelineRuntime, planned_compute_order
 from kernels.contract.run_config import RunConfig
 from kernels.measure.synthetic import SyntheticCost, oversubscription_warning
@@ -83,8 +87,10 @@ class PipelineTracer:
 class StepHooks:
     """The loop's calls into the probe and the tracer; each acts on the last step only."""
 
-    def __init__(self, steps: int, probe: StepProbe | None = None, tracer: PipelineTracer | None = None) -> None:
+    def __init__(self, steps: int, probe: StepProbe | None = None, tracer: PipelineTracer | None = None,
+                 ring: RingLog | None = None) -> None:
         self.last_step, self.probe, self.tracer = steps - 1, probe, tracer
+        self.ring = ring  # context parallelism: records the ring steps of the last micro-batch's forward
         self.step = -1
 
     @property
@@ -120,9 +126,15 @@ class StepHooks:
             self.tracer.rec.sampler.sample(kind)
 
     def forward(self, last_micro: bool) -> contextlib.AbstractContextManager:
-        """Around the last micro-batch's forward: the probe counts saved activations, then snapshots memory."""
-        return self.probe.forward() if self.probe is not None and last_micro and self._watching() \
-            and not isinstance(self.probe, PipelineProbe) else contextlib.nullcontext()
+        """Around the last micro-batch's forward: the probe counts saved activations, then snapshots memory;
+        a ring log records the ring steps."""
+        stack = contextlib.ExitStack()
+        if last_micro and self._watching():
+            if self.probe is not None and not isinstance(self.probe, PipelineProbe):
+                stack.enter_context(self.probe.forward())
+            if self.ring is not None:
+                stack.enter_context(self.ring.recording(self.step))
+        return stack
 
     def schedule(self, stages: list) -> contextlib.AbstractContextManager:
         """Around a pipeline schedule's step: the tracer instruments its stages."""

@@ -7,7 +7,8 @@ Each step runs the step function the strategy chose, then the optimizer:
 
 - ``FlatStep`` (pp == 1): the shard is split into micro-batches; gradients accumulate
   over them and meet over dp on the last one (DDP's bucketed all-reduce, FSDP2's
-  reduce-scatter, or nothing to do with TP alone);
+  reduce-scatter, or nothing to do with TP alone); with expert parallelism the experts'
+  gradients meet after it (``kernels.parallel.expert_parallel.ExpertGradSync``);
 - ``PipelineStep`` (pp > 1): one schedule step over m micro-batches
   (``kernels.parallel.pipeline``), then, unless FSDP reduced them already, one
   all_reduce(SUM) per gradient over dp and a divide by dp (``average_gradients``),
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from kernels.train.batches import BatchStream
 from kernels.train.data import microbatches
 from kernels.model.gpt import loss_fn
+from kernels.model.moe import scale_aux_gradient
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import sync_gradients
 from kernels.parallel.p2p_staging import needs_staging, staged_p2p
@@ -51,9 +53,11 @@ class FlatStep:
     """pp == 1: forward and backward over the shard's micro-batches; returns the replica's loss (float32)."""
 
     def __init__(self, model: nn.Module, microbatches: int, loss_parallel: bool, device: torch.device,
-                 loss: Callable = loss_fn) -> None:
+                 loss: Callable = loss_fn, expert_sync: Callable[[], None] | None = None) -> None:
         self.model, self.n_micro, self.loss_parallel, self.device = model, microbatches, loss_parallel, device
         self.loss = loss  # of (logits, targets): the model's own (kernels.model.family.model_loss)
+        self.expert_sync = expert_sync  # expert parallelism: the experts' gradients, which DDP/FSDP leave alone
+        scale_aux_gradient(model, 1 / microbatches)  # a MoE's balance-loss gradient, divided as the loss is
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor:
         local = torch.zeros((), device=self.device)
@@ -66,6 +70,9 @@ class FlatStep:
                 loss.backward()
             # Under loss_parallel the loss is a replicated DTensor: every tp rank holds the value.
             local += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+        if self.expert_sync is not None:
+            with hooks.part("all_reduce"):  # a part of its own, so a measured step meters it
+                self.expert_sync()
         return local
 
     def replica_loss(self, local: torch.Tensor) -> torch.Tensor:

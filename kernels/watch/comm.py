@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -98,7 +99,8 @@ class CommMeter:
     def _count(self, name: str, a: dict[str, Any], seconds: float) -> None:
         if name == "batch_isend_irecv":
             for p2p in a["p2p_op_list"]:
-                op = "send" if p2p.op in (dist.isend, dist.send) else "recv"
+                # P2POp holds torch's own functions, not the names this meter may have wrapped
+                op = "send" if p2p.op in (distributed_c10d.isend, distributed_c10d.send) else "recv"
                 self.record(op, 2, tensor_bytes(p2p.tensor), seconds / len(a["p2p_op_list"]), "dist", p2p.peer)
             return
         op, payload = DIST_OPS[name]

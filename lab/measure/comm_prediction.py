@@ -34,8 +34,12 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
     (``planned_stage``; None for a model the planner cannot size, whose tp and pp rows go unpredicted).
     """
     table, zero = param_table(record), zero_stage(record)
-    grads = sum(p["whole"] * p["elem"] for p in table)
+    dense = [p for p in table if not p["expert"]]  # EP's experts stay out of DDP and FSDP
+    grads = sum(p["whole"] * p["elem"] for p in dense)
     out: dict[str, float] = {}
+    replicas = record["dims"]["dp"] // record["dims"].get("ep", 1)
+    if len(dense) < len(table) and replicas > 1:  # expert gradients summed over the ranks holding the same experts
+        out[f"all_reduce/{replicas}"] = sum(p["whole"] * p["elem"] for p in table if p["expert"])
     if record["strategy"] in ("ddp", "zero1", "allreduce") and record["dims"]["dp"] > 1:
         out["all_reduce"] = grads  # DDP's flat buckets, or (pp) one all_reduce per gradient
     if record.get("hybrid") and record["dims"].get("dp_replicate") == record["dims"]["dp"] > 1:
@@ -45,32 +49,33 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
     if zero == 1:
         out["broadcast"] = grads  # every parameter, from its owner, after the step
     if record["strategy"] == "fsdp":
-        padded = sum(p["padded"] * p["elem"] for p in table) * shard_group(record)
+        padded = sum(p["padded"] * p["elem"] for p in dense) * shard_group(record)
         # Without pp, gradient accumulation gathers again for every micro-batch (and reduce-scatters once).
         m = int(record.get("microbatches", 1)) if record["dims"]["pp"] == 1 else 1
         out["all_gather"] = padded * (2 if zero == 3 else 1) * m  # forward, and backward under ZeRO-3
         out["reduce_scatter"] = padded
     for e in stage.comm if stage is not None else []:
-        if e.axis in ("tp", "pp"):
-            key = "send" if e.axis == "pp" else f"tp_{e.op}"
-            out[key] = out.get(key, 0.0) + e.total_payload
+        if e.axis in ("tp", "pp", "ep", "cp"):
+            # pp and cp send and receive p2p (the ring: each send has its receive); ep's all-to-alls are dist calls
+            keys = {"pp": ["send"], "cp": ["send", "recv"], "ep": [e.op]}.get(e.axis, [f"tp_{e.op}"])
+            for key in keys:
+                out[key] = out.get(key, 0.0) + e.total_payload
     return out
 
 
 def planned_stage(record: dict[str, Any], run: RunConfig) -> Any:
     """The planner's StagePlan for this rank's pipeline rank (fp32, the run's optimizer, batch and layout); None
     without tp or pp, or for a model the planner does not size (``planned_model``)."""
-    dims = record["dims"]
-    model = planned_model(run)
-    if (dims["tp"] == 1 and dims["pp"] == 1) or model is None:
+    s, model = run.strategy, planned_model(run)
+    if s.tp == s.pp == s.ep == s.cp == 1 or model is None:
         return None
-    s = run.strategy
-    parallel = {**dims, "zero": int(record["zero"]), "schedule": s.schedule or "1f1b",
-                "microbatches": record.get("microbatches", 1), "sequence_parallel": s.sequence_parallel,
-                "loss_parallel": s.loss_parallel}
+    parallel = {"dp": s.dp, "tp": s.tp, "pp": s.pp, "ep": s.ep, "cp": s.cp,
+                "dp_replicate": record["dims"].get("dp_replicate", 1), "zero": int(record["zero"]),
+                "schedule": s.schedule or "1f1b", "microbatches": record.get("microbatches", 1),
+                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel}
     if s.pp > 1:
         parallel["stages_per_rank"] = s.stages_per_rank
-    p = plan(model, gpus=dims["dp"] * dims["tp"] * dims["pp"], parallel=parallel, global_batch=run.global_batch,
+    p = plan(model, gpus=s.world, parallel=parallel, global_batch=run.global_batch,
              seq_len=run.model.get("seq_len"), dtype="fp32", optimizer=optimizer_name(record))
     return p.stages[record["coords"]["pp"]]
 
@@ -92,7 +97,7 @@ def _predicted(pred: dict[str, float], row: dict[str, Any]) -> float | None:
     """The analytic volume for a row: dp-axis ops are "dist" rows, TP's are "funcol" rows."""
     if row["source"] == "funcol":
         return pred.get(f"tp_{row['op']}")
-    return pred.get(row["op"])
+    return pred.get(f"{row['op']}/{row['group_size']}", pred.get(row["op"]))  # a group-specific volume first
 
 
 def _pp_sends(stage: Any) -> dict[str, float]:

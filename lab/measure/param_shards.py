@@ -28,32 +28,36 @@ def padded_rows(d: int, n: int) -> int:
     return math.ceil(d / n)
 
 
-def _tp_local_shape(info: dict[str, Any], tp: int, tp_index: int) -> list[int]:
-    """The shape after TP: a Shard(k) placement on the tp axis splits dim k (chunk rule)."""
+def _local_shape(info: dict[str, Any], split: dict[str, tuple[int, int]]) -> list[int]:
+    """The shape after TP and EP: a Shard(k) placement on the "tp" or "ep" axis splits dim k (chunk rule);
+    ``split`` maps each such axis to (size, this rank's index)."""
     shape = list(info["global_shape"])
     for axis, placement in zip(info["mesh_axes"], info["placements"]):
         m = re.search(r"S(?:hard)?\((?:dim=)?(\d+)", placement)  # "S(0)", "Shard(dim=0)", "_S(0, 2)"
-        if axis == "tp" and m:
+        if axis in split and m:
             k = int(m.group(1))
-            shape[k] = shard_rows(shape[k], tp, tp_index)
+            shape[k] = shard_rows(shape[k], *split[axis])
     return shape
 
 
 def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per parameter (model order): element bytes, whole numel after TP, and this rank's dp shard."""
+    """Per parameter (model order): element bytes, whole numel after TP (and EP), this rank's dp shard, and
+    whether it is an expert (EP's experts stay out of DDP and FSDP: each rank holds its E/ep whole)."""
     dims, coords, fsdp = record["dims"], record["coords"], record["strategy"] == "fsdp"
     # FSDP2 shards over a shard group: all of dp, HSDP's dp_shard, or no one (replicating only, as TP x DP ZeRO-0).
-    n = shard_group(record)
+    n, ep = shard_group(record), dims.get("ep", 1)
+    split = {"tp": (dims["tp"], coords["tp"]), "ep": (ep, coords["dp"] % ep)}  # an ep group: ep dp-neighbours
     out = []
     for name, info in record["params"].items():
-        shape = _tp_local_shape(info, dims["tp"], coords["tp"])
+        shape = _local_shape(info, split)
         rest = math.prod(shape[1:]) if shape else 1
         d0 = shape[0] if shape else 1
         whole = d0 * rest
-        local = shard_rows(d0, n, coords["dp"] % n) * rest if fsdp else whole
-        padded = padded_rows(d0, n) * rest if fsdp else whole
+        expert = "ep" in info["mesh_axes"]
+        local = shard_rows(d0, n, coords["dp"] % n) * rest if fsdp and not expert else whole
+        padded = padded_rows(d0, n) * rest if fsdp and not expert else whole
         out.append({"name": name, "elem": dtype_bytes(_DTYPE_NAMES.get(info["dtype"], "fp32")), "whole": whole,
-                    "local": local, "padded": padded})
+                    "local": local, "padded": padded, "expert": expert})
     return out
 
 

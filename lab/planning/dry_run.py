@@ -160,6 +160,8 @@ def dry_run(plan_or_parallel: Plan | Any, model: str | ModelSpec | Mapping[str, 
     spec = get_model(model)
     if spec.shape_params is None:
         raise ValueError(f"{spec.name} has no transformer shape (layers, hidden, ffn, vocab): nothing to build")
+    if spec.experts or lay.ep > 1 or lay.cp > 1:  # kernels.measure.dry_run builds a dense model on (pp, dp, tp)
+        raise ValueError("the dry run builds dense models on the (pp, dp, tp) mesh: no experts, ep or cp")
     if lay.world != gpus:
         raise ValueError(f"dp*tp*pp = {lay.dp}*{lay.tp}*{lay.pp} = {lay.world} must equal gpus={gpus}")
     k = optimizer_bytes(optimizer, dtype)

@@ -7,7 +7,9 @@ factor (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1; docs/desi
 
 What is counted, per iteration with M micro-batches per dp rank:
 
-- dp axis, ZeRO-0 (DDP): one gradient all-reduce after accumulation.
+- dp axis (the data axis: dp · cp ranks, whose gradients meet), on the ZeRO-sharded parameters: the
+  dense ones, and the experts too without expert parallelism. ZeRO-0 (DDP): one gradient
+  all-reduce after accumulation.
 - ZeRO-1: one gradient reduce-scatter, one all-gather of the updated parameters
   (the ZeRO paper's 2Ψ; torch's ZeroRedundancyOptimizer all-reduces instead, 3Ψ).
 - ZeRO-2 / FSDP grad_op: a parameter all-gather per micro-batch forward, and a
@@ -35,6 +37,16 @@ What is counted, per iteration with M micro-batches per dp rank:
   and the target logit), and its backward is local.
   Under SP the embedding all-reduces become reduce-scatters and the head's input is
   all-gathered forward, reduce-scattered backward.
+- ep axis (experts split over ep ranks, docs/design.md#experts-and-context-parallelism): per MoE layer and
+  micro-batch two all-to-alls forward (dispatch, combine) and two backward, of the rank's dispatched
+  token copies (tokens·top_k·hidden), two more under full recompute; ep_replicate: one all-reduce of
+  the rank's expert gradients over the dp/ep · cp ranks holding the same experts, after accumulation.
+- cp axis (ring attention, ``kernels.parallel.ring_attention``): per attention layer and micro-batch
+  cp-1 sends of the rank's key/value block forward and cp-1 of its gradient backward (the ring keeps
+  the blocks it received, so backward sends no k/v again), cp-1 more under full recompute. Every
+  other payload is sized with the rank's s/cp tokens.
+- A MoE block under TP all-reduces only its attention's output forward (and the q/k/v input gradient
+  backward): the experts are whole on every tp rank.
 - pp axis: per micro-batch and virtual stage, one activation send forward and one
   gradient send backward. A middle stage does both; the first and last do one. With
   ``Work.stage_ids`` (one pipeline rank's stages) the sends are that rank's own: a
@@ -46,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lab.planning.plan_math import busbw_factor, pp_p2p_bytes, tp_allreduce_bytes
+from lab.planning.plan_math import busbw_factor, cp_ring_bytes, ep_all_to_all_bytes, pp_p2p_bytes, tp_allreduce_bytes
 from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups
 
 
@@ -54,8 +66,8 @@ from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups
 class CommEntry:
     """One kind of call one rank makes per iteration."""
 
-    axis: str  # "dp", "dp_shard", "dp_replicate", "tp" or "pp"
-    op: str  # "all_reduce", "all_gather", "reduce_scatter" or "p2p"
+    axis: str  # "dp", "dp_shard", "dp_replicate", "tp", "pp", "ep", "ep_replicate" or "cp"
+    op: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "p2p"
     phase: str  # "fwd", "bwd", "recompute" or "step" (after backward, at the optimizer)
     link: str  # "intra" (inside a node) or "inter" (between nodes)
     group_size: int
@@ -79,11 +91,11 @@ def entry(axis: str, op: str, phase: str, link: str, n: int, count: int, payload
 class Work:
     """The sizes a rank's traffic depends on."""
 
-    psi_local: float  # parameters on this rank after TP and PP (before dp sharding)
+    psi_local: float  # dense (non-expert) parameters on this rank after TP and PP (before dp sharding)
     elem_bytes: int  # bytes per parameter, gradient and activation element
     micro_batch: int
     microbatches: int  # M, per iteration and dp rank
-    seq_len: int
+    seq_len: int  # tokens of a sequence on this rank: seq_len / cp
     hidden: int | None  # None for a count-only model: no TP/PP traffic can be sized
     layers_on_rank: int | None
     embed: bool = False  # holds TP-sharded embeddings (per-tensor models): their collectives count
@@ -94,20 +106,31 @@ class Work:
     learned_pos: bool = True  # a row-parallel position table beside the token embedding
     stage_ids: tuple[int, ...] = ()  # this pipeline rank's stages; () = a middle stage
     num_stages: int = 1
+    expert_psi: float = 0.0  # routed expert parameters on this rank: its E/ep experts of its MoE layers
+    moe_layers: int = 0  # MoE layers among this rank's blocks
+    experts: int = 0  # routed experts per MoE layer (the router's width)
+    dispatched: float = 0.0  # token copies one MoE layer routes per micro-batch (plan_moe.dispatched_tokens)
+    kv_dim: int | None = None  # kv_heads · head_dim: the width of k and of v, which the CP ring passes
+
+
+def sharded_psi(lay: Layout, w: Work) -> float:
+    """Parameters the data axis syncs and ZeRO shards: the dense ones, and the experts too without EP
+    (with EP each rank's experts are its own, synced over ep_replicate only)."""
+    return w.psi_local + (w.expert_psi if lay.ep == 1 else 0.0)
 
 
 def dp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
-    """Gradient/parameter traffic on the data-parallel axis."""
-    if lay.dp == 1:
+    """Gradient/parameter traffic on the data axis (dp · cp ranks) of the ZeRO-sharded parameters."""
+    if lay.data_ranks == 1:
         return []
     if lay.fsdp_strategy == "hybrid":
         return _hybrid_entries(lay, w, gpus_per_node)
     link = axis_link(lay, "dp", gpus_per_node)
-    return _sharded_entries("dp", lay.zero, lay.dp, link, w)
+    return _sharded_entries("dp", lay.zero, lay.data_ranks, link, w, sharded_psi(lay, w))
 
 
-def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work) -> list[CommEntry]:
-    full, m = w.psi_local * w.elem_bytes, w.microbatches
+def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work, psi: float) -> list[CommEntry]:
+    full, m = psi * w.elem_bytes, w.microbatches
     if n == 1:
         return []
     if zero == 0:
@@ -125,9 +148,10 @@ def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work) -> list[C
 def _hybrid_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     shard, replicate = hybrid_groups(lay)
     s, r = len(shard[0]), len(replicate[0])
-    out = _sharded_entries("dp_shard", lay.zero, s, groups_link(shard, gpus_per_node), w)
+    psi = sharded_psi(lay, w)
+    out = _sharded_entries("dp_shard", lay.zero, s, groups_link(shard, gpus_per_node), w, psi)
     if r > 1:
-        grad_shard = w.psi_local * w.elem_bytes / s
+        grad_shard = psi * w.elem_bytes / s
         out.append(entry("dp_replicate", "all_reduce", "bwd", groups_link(replicate, gpus_per_node),
                          r, w.microbatches, grad_shard))
     return out
@@ -140,12 +164,13 @@ def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
         return []
     link = axis_link(lay, "tp", gpus_per_node)
     payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
-    per_block = {"fwd": 2, "bwd": 2 if lay.sequence_parallel else w.mlp_allreduces + w.qkv_allreduces, "recompute": 2}
-    # Selective checkpointing keeps the collectives' outputs: only a full recompute runs them again.
-    phases = ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing is True else [])
+    dense = w.layers_on_rank - w.moe_layers  # a MoE block's experts are whole on every tp rank: no MLP collective
+    bwd = dense + w.layers_on_rank if lay.sequence_parallel \
+        else dense * w.mlp_allreduces + w.layers_on_rank * w.qkv_allreduces
+    per_rank = {"fwd": dense + w.layers_on_rank, "bwd": bwd, "recompute": dense + w.layers_on_rank}
     out = []
-    for phase in phases:
-        count = per_block[phase] * w.layers_on_rank * w.microbatches
+    for phase in _phases(lay):
+        count = per_rank[phase] * w.microbatches
         if count == 0:
             continue
         if lay.sequence_parallel:
@@ -196,7 +221,46 @@ def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     return out
 
 
+def _phases(lay: Layout) -> list[str]:
+    """The passes a block's forward collectives run in: selective checkpointing keeps their outputs, so only a
+    full recompute runs them again."""
+    return ["fwd", "bwd"] + (["recompute"] if lay.activation_checkpointing is True else [])
+
+
+def ep_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """The MoE layers' all-to-alls over the expert group, and the expert gradients' all-reduce over the ranks
+    that hold the same experts (module docstring)."""
+    if lay.ep == 1 or w.hidden is None or not w.moe_layers:
+        return []
+    payload, link = ep_all_to_all_bytes(w.dispatched, w.hidden, w.elem_bytes), axis_link(lay, "ep", gpus_per_node)
+    out = [entry("ep", "all_to_all", phase, link, lay.ep, 2 * w.moe_layers * w.microbatches, payload)
+           for phase in _phases(lay)]
+    # Before each forward dispatch the ranks exchange how many tokens go to each expert: E int64 counts.
+    out += [entry("ep", "all_to_all", phase, link, lay.ep, w.moe_layers * w.microbatches, 8 * w.experts)
+            for phase in _phases(lay) if phase != "bwd"]
+    replicas = lay.data_ranks // lay.ep
+    if replicas > 1:
+        out.append(entry("ep_replicate", "all_reduce", "bwd", axis_link(lay, "ep_replicate", gpus_per_node),
+                         replicas, 1, w.expert_psi * w.elem_bytes))
+    return out
+
+
+def cp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
+    """Ring attention's sends per attention layer and micro-batch: cp-1 key/value blocks forward (and in a full
+    recompute); backward, the blocks go round again (cp-1 sends) beside their float32 gradient, which travels cp
+    steps to end at the block's owner (``kernels.parallel.ring_attention``, FlashAttention-2's backward on a ring)."""
+    if lay.cp == 1 or w.kv_dim is None or w.layers_on_rank is None:
+        return []
+    kv_dim = w.kv_dim // lay.tp  # TP leaves each rank its kv_heads/tp heads, and the ring carries only those
+    payload = cp_ring_bytes(w.micro_batch, w.seq_len, kv_dim, w.elem_bytes)
+    calls, link = w.layers_on_rank * w.microbatches, axis_link(lay, "cp", gpus_per_node)
+    out = [entry("cp", "p2p", phase, link, lay.cp, (lay.cp - 1) * calls, payload) for phase in _phases(lay)]
+    grads = cp_ring_bytes(w.micro_batch, w.seq_len, kv_dim, 4)  # accumulated in float32
+    return out + [entry("cp", "p2p", "bwd", link, lay.cp, lay.cp * calls, grads)]
+
+
 def all_entries(lay: Layout, w: Work, gpus_per_node: int) -> tuple[CommEntry, ...]:
-    """Every entry of one iteration, dp then tp then pp."""
+    """Every entry of one iteration: dp, tp, pp, then ep and cp."""
     return tuple(dp_entries(lay, w, gpus_per_node) + tp_entries(lay, w, gpus_per_node)
-                 + pp_entries(lay, w, gpus_per_node))
+                 + pp_entries(lay, w, gpus_per_node) + ep_entries(lay, w, gpus_per_node)
+                 + cp_entries(lay, w, gpus_per_node))

@@ -7,8 +7,9 @@ of collective communication operations in MPICH", 2005; docs/design.md#bus-bandw
     seconds = steps(op, n) · α + wire_bytes / busbw
 
 with steps 2(n-1) for all_reduce (a reduce-scatter then an all-gather), n-1 for all_gather,
-reduce_scatter and a ring broadcast, 1 for a send; wire_bytes = payload · f and busbw the
-nccl-tests bus bandwidth, so the second term is the planner's bandwidth-only time.
+reduce_scatter, a ring broadcast and an all-to-all (pairwise exchange), 1 for a send;
+wire_bytes = payload · f and busbw the nccl-tests bus bandwidth, so the second term is the
+planner's bandwidth-only time.
 ``fit_alpha_beta`` recovers α and busbw from a size sweep (``lab.bench_collectives``).
 Pure Python; no torch.
 """
@@ -37,7 +38,8 @@ def collective_steps(op: str, n: int) -> int:
     op = op.lower().replace("-", "_")
     if op in ("all_reduce", "allreduce"):
         return 2 * (n - 1)
-    if op in ("all_gather", "allgather", "reduce_scatter", "reducescatter", "broadcast"):
+    # An all-to-all of large messages is a pairwise exchange (Thakur et al.): n-1 steps, one partner each.
+    if op in ("all_gather", "allgather", "reduce_scatter", "reducescatter", "broadcast", "all_to_all", "alltoall"):
         return n - 1
     if op in ("p2p", "send", "recv", "send_recv"):
         return 1

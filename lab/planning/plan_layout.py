@@ -13,7 +13,12 @@ sharded"). GB is 1e9 bytes, as in the sizing guides.
 Every pipeline rank is sized (``Plan.stages``, one ``StagePlan`` per pp rank, by
 ``lab.planning.plan_stages``); ``Plan.memory`` and the dp/tp part of ``Plan.comm`` are the
 busiest rank's, and ``Plan.comm``'s p2p is a middle stage's (the busiest link). The
-bubble is ``kernels.contract.layout_rules.bubble_theory``'s. Pure Python; no torch.
+bubble is ``kernels.contract.layout_rules.bubble_theory``'s.
+
+Expert parallelism (``ep``) and context parallelism (``cp``) follow docs/design.md#experts-and-context-parallelism:
+world = pp·dp·cp·tp, ZeRO shards over dp·cp, the experts are split 1/ep outside ZeRO, every rank holds
+s/cp tokens of each sequence; the MoE all-to-alls and the ring's sends are ``plan_comm``'s ep and cp entries.
+Pure Python; no torch.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kernels.contract.config_rules import moe_layout_problems
+from kernels.contract.layout_combinations import (context_problems, cp_chunk_problems, expert_problems,
+                                                  expert_split_problems)
 from kernels.contract.layout_rules import bubble_theory, default_microbatches
 from lab.planning import plan_render
 from lab.planning.plan_check import PlanCheck
@@ -30,6 +38,7 @@ from lab.planning.plan_latency import DEFAULT_ALPHA_US, collective_steps
 from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes, required_bandwidth
 from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from
 from lab.planning.plan_models import ModelSpec, get_model
+from lab.planning.plan_moe import dispatched_tokens
 from lab.planning.plan_stages import MemoryBreakdown, StagePlan, stage_plans
 
 
@@ -116,29 +125,34 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                 activation_checkpointing: bool | None = None, schedule: str | None = None,
                 microbatches: int | None = None, target_iter_s: float = 1.0,
                 activations_gb: float | None = None, intra_alpha_us: float = DEFAULT_ALPHA_US["intra"],
-                inter_alpha_us: float = DEFAULT_ALPHA_US["inter"]) -> Plan:
+                inter_alpha_us: float = DEFAULT_ALPHA_US["inter"], ep: int | None = None,
+                cp: int | None = None) -> Plan:
     """Size the layout ``parallel`` analytically; the arguments are ``lab.planning.planner.plan``'s.
 
     ``parallel``: a ``lab.run.parallel.Parallel``, any object with its attributes, or a dict
-    (dp may be left out of a dict: it is gpus / (tp·pp)). Raises ValueError when dp·tp·pp ≠ gpus.
+    (dp may be left out of a dict: it is gpus / (tp·pp·cp)); ``ep``/``cp`` given here win over its own.
+    Raises ValueError when dp·cp·tp·pp ≠ gpus, or when the model cannot take the layout (ep on a model
+    without experts or E not divisible by ep, a sequence cp cannot cut into 2·cp chunks, sequence
+    parallel with experts).
     """
     spec = get_model(model)
-    lay = layout_from(_with_dp(parallel, gpus), schedule=schedule,
-                      activation_checkpointing=activation_checkpointing)
+    lay = layout_from(_with_dp(parallel, gpus, cp), schedule=schedule,
+                      activation_checkpointing=activation_checkpointing, ep=ep, cp=cp)
     if lay.world != gpus:
-        raise ValueError(f"dp*tp*pp = {lay.dp}*{lay.tp}*{lay.pp} = {lay.world} must equal gpus={gpus}")
+        raise ValueError(f"dp*cp*tp*pp = {lay.dp}*{lay.cp}*{lay.tp}*{lay.pp} = {lay.world} must equal gpus={gpus}")
     m_default = microbatches if microbatches is not None else _get_m(parallel)
     gb, mb, m = resolve_batch(lay, global_batch, micro_batch, m_default)
     seq = seq_len or spec.seq_len
-    base = Work(0.0, dtype_bytes(dtype), mb, m, seq, spec.hidden, None, vocab=spec.vocab,
-                qkv_allreduces=1 if spec.fused_qkv else 3, mlp_allreduces=2 if spec.gated_mlp and not spec.fused_qkv else 1,
-                learned_pos=spec.learned_pos)
+    for _, message in _model_problems(spec, lay, seq):
+        raise ValueError(message)
+    base = _base_work(spec, lay, dtype, mb, m, seq)
     stages = stage_plans(spec, lay, base, gpus_per_node, optimizer_bytes(optimizer, dtype), gpu_mem_gb,
                          activations_gb)
     busiest = max(stages, key=lambda st: st.memory.total)  # the first on ties
-    work = dataclasses.replace(base, psi_local=busiest.params, layers_on_rank=busiest.layers,
-                               embed=spec.sharded_ends and 0 in busiest.stage_ids,
-                               head=spec.sharded_ends and lay.num_stages - 1 in busiest.stage_ids)
+    work = dataclasses.replace(base, psi_local=busiest.params - busiest.expert_params,
+                               layers_on_rank=busiest.layers, embed=spec.sharded_ends and 0 in busiest.stage_ids,
+                               head=spec.sharded_ends and lay.num_stages - 1 in busiest.stage_ids,
+                               expert_psi=busiest.expert_params, moe_layers=busiest.moe_layers)
     mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
     bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
     costs = {"intra": (intra_bw, intra_alpha_us), "inter": (inter_bw, inter_alpha_us)}
@@ -146,15 +160,44 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                 str(optimizer), mem, comm, _links(comm, costs, target_iter_s), target_iter_s,
                 *(bubble if lay.pp > 1 else (None, None)),
                 warnings=tuple(_warnings(spec, lay, mem, m, gpus_per_node, activations_gb)),
-                notes=tuple(_notes(lay, gpus_per_node)), stages=stages)
+                notes=tuple(_notes(lay, gpus_per_node)) + tuple(layout_notes(lay)), stages=stages)
 
 
-def _with_dp(parallel: Any, gpus: int) -> Any:
-    """A dict without dp gets dp = gpus / (tp·pp), so {"tp": 8} on 32 GPUs means TP8×DP4."""
+def _base_work(spec: ModelSpec, lay: Layout, dtype: str, mb: int, m: int, seq: int) -> Work:
+    """The sizes every rank's traffic shares: batch, dtype, the rank's s/cp tokens, the attention and MoE widths."""
+    local = seq // lay.cp
+    kv_dim = (spec.kv_heads or spec.heads) * (spec.head_dim or spec.hidden // spec.heads) \
+        if spec.heads and spec.hidden else None
+    routed = dispatched_tokens(mb, local, spec.top_k, spec.experts, spec.capacity_factor) if spec.experts else 0.0
+    return Work(0.0, dtype_bytes(dtype), mb, m, local, spec.hidden, None, vocab=spec.vocab,
+                qkv_allreduces=1 if spec.fused_qkv else 3,
+                mlp_allreduces=2 if spec.gated_mlp and not spec.fused_qkv else 1, learned_pos=spec.learned_pos,
+                dispatched=routed, experts=spec.experts, kv_dim=kv_dim)
+
+
+def _model_problems(spec: ModelSpec, lay: Layout, seq: int) -> list[tuple[str, str]]:
+    """What the model refuses of the layout, by the lab's own rules: experts for ep, whole chunks for cp, no
+    sequence parallel with experts."""
+    return (expert_split_problems(lay.ep, spec.experts) + cp_chunk_problems(lay.cp, seq)
+            + moe_layout_problems(spec.experts, lay.sequence_parallel))
+
+
+def layout_notes(lay: Layout) -> list[str]:
+    """What the lab would refuse of a layout the planner sizes (EP beside tp, pp or cp; CP beside pp)."""
+    refused = expert_problems(lay.ep, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero=lay.zero,
+                              fsdp_strategy=lay.fsdp_strategy, cpu_offload=False)
+    refused += context_problems(lay.cp, pp=lay.pp, sequence_parallel=lay.sequence_parallel)
+    out = [f"lab.Parallel refuses this layout [{rule}]: {message}; the plan sizes it as a framework that "
+           "builds it would run it" for rule, message in refused]
+    return out
+
+
+def _with_dp(parallel: Any, gpus: int, cp: int | None = None) -> Any:
+    """A dict without dp gets dp = gpus / (tp·pp·cp), so {"tp": 8} on 32 GPUs means TP8×DP4."""
     if isinstance(parallel, Mapping) and "dp" not in parallel:
-        rest = int(parallel.get("tp", 1)) * int(parallel.get("pp", 1))
+        rest = int(parallel.get("tp", 1)) * int(parallel.get("pp", 1)) * int(cp or parallel.get("cp", 1))
         if gpus % rest:
-            raise ValueError(f"tp*pp = {rest} does not divide gpus={gpus}")
+            raise ValueError(f"tp*pp*cp = {rest} does not divide gpus={gpus}")
         return {**parallel, "dp": gpus // rest}
     return parallel
 
@@ -237,7 +280,8 @@ def _notes(lay: Layout, gpus_per_node: int) -> list[str]:
     out = []
     if lay.fsdp_strategy == "hybrid":
         inside = groups_link(hybrid_groups(lay)[0], gpus_per_node) == "intra"
-        out.append(f"hybrid: dp={lay.dp} as {lay.dp_replicate} replicate x {lay.dp_shard} shard; shard groups "
+        data = f"dp={lay.dp}" if lay.cp == 1 else f"dp*cp={lay.data_ranks}"
+        out.append(f"hybrid: {data} as {lay.dp_replicate} replicate x {lay.dp_shard} shard; shard groups "
                    + ("stay inside a node" if inside else "cross nodes: pass dp_replicate to shard inside a node"))
     if lay.zero in (2, 3) and lay.pp > 1:
         out.append(f"ZeRO-{lay.zero} with PP all-gathers/reduce-scatters per micro-batch "

@@ -82,14 +82,15 @@ def zero_memory(psi: float, n: int, stage: int, param_bytes: float = 2, grad_byt
 def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' busbw/algbw factor, which is also wire bytes per rank / payload bytes.
 
-    all_reduce 2(n-1)/n; all_gather and reduce_scatter (n-1)/n; broadcast and p2p 1.
+    all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1)/n (an all-to-all keeps 1/n of
+    its input on the rank); broadcast and p2p 1.
     """
     if n < 1:
         raise ValueError(f"group size must be >= 1, got {n}")
     op = op.lower().replace("-", "_")
     if op in ("all_reduce", "allreduce"):
         return 2 * (n - 1) / n
-    if op in ("all_gather", "allgather", "reduce_scatter", "reducescatter"):
+    if op in ("all_gather", "allgather", "reduce_scatter", "reducescatter", "all_to_all", "alltoall"):
         return (n - 1) / n
     if op in ("broadcast", "p2p", "send", "recv", "send_recv"):
         return 1.0
@@ -134,6 +135,26 @@ def fsdp_comm_bytes(param_bytes: float, n: int, reshard_after_forward: bool = Tr
     if reshard_after_forward:
         out["all_gather_bwd"] = one
     return out
+
+
+def ep_all_to_all_bytes(tokens: float, hidden: int, elem_bytes: float = 2) -> float:
+    """Payload of one expert-parallel all-to-all (a MoE layer's dispatch or combine) on one rank: the
+    ``tokens`` copies it routes (b·s·top_k, dropless) of hidden elements each, the share for its own
+    experts included, as nccl-tests counts an all-to-all's input; (ep-1)/ep of it crosses the wire."""
+    return tokens * hidden * elem_bytes
+
+
+def cp_ring_bytes(b: float, s_local: float, kv_dim: int, elem_bytes: float = 2) -> float:
+    """One ring step of context parallelism: the rank's key and value blocks, 2·b·(s/cp)·kv_heads·head_dim
+    elements (sent as one message by ``kernels.parallel.ring_attention``; its float32 gradient is the same count)."""
+    return 2 * b * s_local * kv_dim * elem_bytes
+
+
+def moe_activation_bytes(b: float, s: float, tokens: float, hidden: int, experts: int, elem_bytes: float = 2) -> float:
+    """What a MoE layer keeps for backward beyond a dense block's estimate: the ``tokens`` copies dispatched
+    to the experts and the per-slot outputs before the gate-weighted sum (2·tokens·hidden elements), and the
+    router's fp32 probabilities b·s·E (``kernels.model.moe.MoE.forward``)."""
+    return 2 * tokens * hidden * elem_bytes + 4 * b * s * experts
 
 
 def tp_size_for_memory(params_grads_bytes: float, gpu_mem_bytes: float, act_bytes: float,

@@ -11,13 +11,18 @@ Each preset carries two parameter counts:
   ``model.exact()``.
 
 The shapes are the published configs (GPT-2 and GPT-3 papers, Meta's Llama 3 model
-cards and config.json files, BERT's paper). ResNet-50 has no transformer shape, so it
-is known by its parameter count only; activation and TP/PP traffic need a shape.
+cards and config.json files, BERT's paper, the Mixtral paper (Jiang et al. 2024) and its
+config.json, the Qwen3 technical report (2025) and Qwen3-30B-A3B's config.json). ResNet-50 has no
+transformer shape, so it is known by its parameter count only; activation and TP/PP traffic need a shape.
+A mixture of experts (``experts`` > 0) is counted by ``lab.planning.plan_moe``: ``shape_params`` is
+the total, ``active_params`` what one token uses. DeepSeek-V3 is not a preset: its multi-head latent
+attention (low-rank q and kv projections) and its multi-token-prediction module do not fit this shape.
 
 ``ModelSpec.from_gpt(cfg)`` describes the lab's own GPT (``kernels.model.gpt.GPTConfig`` or
 its dict) with ``per_tensor=True``: the planner then sizes every rank tensor by tensor
-(``gpt_tensors``: which weights TP splits and on which dim, which it replicates, and
-which pipeline stage holds them) instead of the sizing guides' even Ψ/(tp·pp).
+(``lab.planning.plan_tensors.gpt_tensors``: which weights TP splits and on which dim, which it
+replicates, which are experts, and which pipeline stage holds them) instead of the sizing guides'
+even Ψ/(tp·pp).
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -26,6 +31,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from lab.planning.plan_moe import idle_params, mlp_params, moe_layer_ids, moe_layer_params, routed_layer_params
 
 
 @dataclass(frozen=True)
@@ -54,13 +61,24 @@ class ModelSpec:
     # the HF decoders whose plans say so), so their collectives are counted (plan_comm._tp_outer_entries).
     sharded_ends: bool = False
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2), where ``bias`` is off
+    head_dim: int | None = None  # per-head width; None means hidden / heads (Qwen3 sets 128 with hidden 2048)
+    qk_norm: bool = False  # an RMSNorm on each head's q and k (Qwen3): 2·head_dim weights per layer
+    # A mixture of experts (lab.planning.plan_moe): E routed experts per MoE layer, top_k of them per token.
+    experts: int = 0  # 0: a dense model
+    top_k: int = 2
+    expert_ffn: int | None = None  # each expert's MLP width; None means ffn (which the dense layers use)
+    moe_every: int = 1  # layer i routes when (i + 1) % moe_every == 0 (HF's decoder_sparse_step)
+    dense_first: int = 0  # the first layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+    shared_experts: int = 0  # experts every token runs (width expert_ffn), counted as dense weights
+    capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(c·s·top_k/E) per sequence
 
     @classmethod
     def from_gpt(cls, cfg: Any, name: str | None = None) -> "ModelSpec":
         """The lab's GPT (``kernels.model.gpt.GPTConfig`` or a dict of its fields), counted exactly.
 
         Untied LM head without bias, learned positions, LayerNorm and Linear biases when
-        ``bias`` (GPT-2), separate q/k/v; ``params`` is the exact count.
+        ``bias`` (GPT-2), separate q/k/v, and with ``experts`` a mixture of experts of width d_ff in
+        every block (``kernels.model.moe``); ``params`` is the exact count.
         """
         get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
         d_model = int(get("d_model", 64))
@@ -69,7 +87,7 @@ class ModelSpec:
                    int(get("heads", 4)), None, int(d_ff) if d_ff is not None else 4 * d_model,
                    int(get("vocab", 256)), seq_len=int(get("seq_len", 32)), tied_embeddings=False,
                    bias=bool(get("bias", True)), fused_qkv=False, per_tensor=True,
-                   sharded_ends=True)
+                   sharded_ends=True, **experts_of(get))
         return dataclasses.replace(spec, params=spec.shape_params)
 
     @property
@@ -84,6 +102,17 @@ class ModelSpec:
             return None
         return float(_count_from_shape(self))
 
+    @property
+    def expert_params(self) -> float:
+        """Routed expert weights of the whole model, from the shape (0 for a dense model)."""
+        return float(len(moe_layer_ids(self)) * routed_layer_params(self)) if self.experts else 0.0
+
+    @property
+    def active_params(self) -> float | None:
+        """Parameters one token uses: the shape's count less the routed experts it is not sent to."""
+        total = self.shape_params
+        return None if total is None else total - idle_params(self)
+
     def exact(self) -> "ModelSpec":
         """The same model sized by its shape-derived count instead of the nominal one."""
         exact = self.shape_params
@@ -97,79 +126,28 @@ class ModelSpec:
 
 
 def _count_from_shape(m: ModelSpec) -> int:
-    """Weights of a decoder/encoder stack: attention, MLP, norms, embeddings, head."""
+    """Weights of a decoder/encoder stack: attention, MLP (or mixture of experts), norms, embeddings, head."""
     h, heads = m.hidden, m.heads or 1
-    kv_dim = (m.kv_heads or heads) * (h // heads)  # GQA shrinks only k and v
-    attn = 2 * h * h + 2 * h * kv_dim + (2 * h + 2 * kv_dim if m.bias else h + 2 * kv_dim if m.qkv_bias else 0)
-    mlp = (3 if m.gated_mlp else 2) * h * m.ffn + ((m.ffn + h) if m.bias else 0)
+    head_dim = m.head_dim or h // heads
+    q_dim, kv_dim = heads * head_dim, (m.kv_heads or heads) * head_dim  # GQA shrinks only k and v
+    attn = 2 * h * q_dim + 2 * h * kv_dim + (2 * head_dim if m.qk_norm else 0)
+    attn += q_dim + h + 2 * kv_dim if m.bias else q_dim + 2 * kv_dim if m.qkv_bias else 0
+    mlp = mlp_params(h, m.ffn, m.gated_mlp, m.bias)
     norms = (4 if m.bias else 2) * h  # two norms per block, weight (+ bias)
     embed = m.vocab * h + (m.seq_len * h if m.learned_pos else 0)
     head = 0 if m.tied_embeddings else m.vocab * h
-    return m.layers * (attn + mlp + norms) + embed + head + (2 if m.bias else 1) * h
+    routed = len(moe_layer_ids(m))
+    blocks = m.layers * (attn + norms) + (m.layers - routed) * mlp + routed * moe_layer_params(m)
+    return blocks + embed + head + (2 if m.bias else 1) * h
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One parameter tensor of a per-tensor model: its shape, TP split and pipeline owner."""
-
-    name: str  # as in kernels.model.gpt.GPT.named_parameters()
-    shape: tuple[int, ...]
-    tp_dim: int | None  # the dim TP shards (kernels.parallel.tensor_parallel's plans); None = replicated
-    owner: str  # "embed" (first stage), "block" (stage of its block), "head" (last stage)
-    block: int | None = None  # the block index, for owner "block"
-
-    @property
-    def numel(self) -> int:
-        """Elements of the whole tensor."""
-        return math.prod(self.shape)
-
-    def tp_numel(self, tp: int, tp_index: int = 0) -> int:
-        """Elements on tp rank ``tp_index``: the tp dim chunked as torch.chunk does (ceil, the last fewer)."""
-        if self.tp_dim is None or tp == 1:
-            return self.numel
-        d = self.shape[self.tp_dim]
-        c = math.ceil(d / tp)
-        return self.numel // d * max(0, min(c, d - tp_index * c))
-
-
-def _linear(prefix: str, d_out: int, d_in: int, bias: bool, style: str, **where: Any) -> list[TensorSpec]:
-    """nn.Linear's weight (out, in) and bias (out,): colwise shards dim 0 of both, rowwise
-    dim 1 of the weight and replicates the bias (it is added after the all-reduce)."""
-    out = [TensorSpec(f"{prefix}.weight", (d_out, d_in), {"col": 0, "row": 1}.get(style), **where)]
-    if bias:
-        out.append(TensorSpec(f"{prefix}.bias", (d_out,), 0 if style == "col" else None, **where))
-    return out
-
-
-def gpt_tensors(m: ModelSpec) -> tuple[TensorSpec, ...]:
-    """The lab GPT's parameters in model order, with kernels.parallel.tensor_parallel's TP plan.
-
-    Embeddings are row-parallel (Shard(0): vocab rows, position rows), the LM head
-    column-parallel (Shard(0): vocab), q/k/v/fc_in column-parallel, out/fc_out
-    row-parallel; LayerNorms are replicated (sequence parallelism shards their input,
-    not their weights).
-    """
-    if not m.has_shape or m.ffn is None or m.vocab is None or m.gated_mlp or m.tied_embeddings:
-        raise ValueError(f"{m.name}: per-tensor sizing needs the lab GPT's shape (untied, GELU MLP)")
-    h, kv = m.hidden, (m.kv_heads or m.heads or 1) * (m.hidden // (m.heads or 1))
-    out = [TensorSpec("tok_emb.weight", (m.vocab, h), 0, "embed")]
-    if m.learned_pos:
-        out.append(TensorSpec("pos_emb.weight", (m.seq_len, h), 0, "embed"))
-    for i in range(m.layers):
-        blk, b = {"owner": "block", "block": i}, f"blocks.{i}."
-        out += _norm(b + "attn_norm", h, m.bias, **blk)
-        for name, width in (("q", h), ("k", kv), ("v", kv)):
-            out += _linear(b + "attn." + name, width, h, m.bias, "col", **blk)
-        out += _linear(b + "attn.out", h, h, m.bias, "row", **blk)
-        out += _norm(b + "mlp_norm", h, m.bias, **blk)
-        out += _linear(b + "mlp.fc_in", m.ffn, h, m.bias, "col", **blk)
-        out += _linear(b + "mlp.fc_out", h, m.ffn, m.bias, "row", **blk)
-    out += _norm("norm", h, m.bias, owner="head")
-    return tuple(out + _linear("lm_head", m.vocab, h, False, "col", owner="head"))
-
-
-def _norm(prefix: str, h: int, bias: bool, **where: Any) -> list[TensorSpec]:
-    return [TensorSpec(f"{prefix}.{k}", (h,), None, **where) for k in (("weight", "bias") if bias else ("weight",))]
+def experts_of(get: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of a lab model config (GPTConfig, LlamaConfig or their dict) read through
+    ``get(key, default)``: {} for a dense one (experts 0), so its spec stays the dense one."""
+    experts = int(get("experts", 0) or 0)
+    if not experts:
+        return {}
+    return {"experts": experts, "top_k": int(get("top_k", 2)), "capacity_factor": get("capacity_factor", None)}
 
 
 _LLAMA = dict(gated_mlp=True, tied_embeddings=False, learned_pos=False, bias=False, vocab=128256)
@@ -186,6 +164,16 @@ PRESETS: dict[str, ModelSpec] = {
     "llama2-70b": ModelSpec("llama2-70b", 70e9, 80, 8192, 64, 8, 28672, seq_len=4096,
                             **{**_LLAMA, "vocab": 32000}),
     "bert-base": ModelSpec("bert-base", 110e6, 12, 768, 12, None, 3072, 30522, seq_len=512),
+    # Mixtral 8x7B (Jiang et al. 2024, Table 1; its config.json): Mistral 7B's blocks with 8 SwiGLU experts of
+    # width 14336 in every layer, 2 per token, 32k context: 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", 46.7e9, 32, 4096, 32, 8, 14336, seq_len=32768,
+                              **{**_LLAMA, "vocab": 32000}, experts=8, top_k=2),
+    # Qwen3-30B-A3B (Qwen3 technical report 2025, Table 2; its config.json): 48 layers of 128 experts of width
+    # 768, 8 per token, 32 query / 4 key-value heads of 128 (wider than hidden / heads), q/k norms, 32k native
+    # context: 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b", 30.5e9, 48, 2048, 32, 4, 6144, seq_len=32768,
+                               **{**_LLAMA, "vocab": 151936}, head_dim=128, qk_norm=True, experts=128,
+                               top_k=8, expert_ffn=768),
     # The Rust tutorial's distributed chapter lists ResNet-50 at 25M parameters (the real count is
     # 25.6M); no transformer shape.
     "resnet-50": ModelSpec("resnet-50", 25e6),
@@ -195,7 +183,8 @@ _ALIASES = {
     "gpt2xl": "gpt2-1.5b", "gpt21.5b": "gpt2-1.5b", "gpt3": "gpt3-175b", "llama38b": "llama3-8b",
     "llama370b": "llama3-70b", "llama31405b": "llama3.1-405b", "llama3405b": "llama3.1-405b",
     "llama270b": "llama2-70b", "bert": "bert-base", "bertbase": "bert-base",
-    "bertbaseuncased": "bert-base", "resnet50": "resnet-50", "resnet": "resnet-50",
+    "bertbaseuncased": "bert-base", "resnet50": "resnet-50", "resnet": "resnet-50", "mixtral": "mixtral-8x7b",
+    "qwen330b": "qwen3-30b-a3b", "qwen3moe": "qwen3-30b-a3b",
 }
 
 
@@ -214,7 +203,8 @@ def custom_model(name: str = "custom", *, params: float | None = None, layers: i
 
     Given a shape and no ``params``, the count comes from the shape. ``ffn`` defaults to
     4·hidden (GPT) and ``heads`` to hidden/128. Extra keywords are ModelSpec fields
-    (kv_heads, seq_len, gated_mlp, tied_embeddings, learned_pos, bias).
+    (kv_heads, seq_len, gated_mlp, tied_embeddings, learned_pos, bias, head_dim, and a mixture of
+    experts': experts, top_k, expert_ffn, moe_every, dense_first, shared_experts, capacity_factor).
     """
     if params is None and (layers is None or hidden is None or vocab is None):
         raise ValueError("a custom model needs params=..., or layers, hidden and vocab")

@@ -38,8 +38,11 @@ def memory_rows(p: Any) -> list[tuple[str, str]]:
     """(label, value) rows of the per-GPU memory table."""
     m = p.memory
     verdict = "yes" if m.fits else "NO"
+    split = f"over ep={p.layout.ep}, not by ZeRO" if p.layout.ep > 1 else "sharded with the rest"
+    experts = [("  experts", f"{_gb(m.experts)} of the three above: the routed experts, {split}")] \
+        if m.experts else []
     return [("parameters", _gb(m.params)), ("gradients", _gb(m.grads)), ("optimizer", _gb(m.optimizer)),
-            ("activations", _gb(m.activations)), ("total", _gb(m.total)),
+            *experts, ("activations", _gb(m.activations)), ("total", _gb(m.total)),
             ("fits", f"{verdict} ({m.capacity / GB:.0f} GB per GPU)")]
 
 
@@ -61,8 +64,9 @@ def link_rows(p: Any) -> list[tuple[str, ...]]:
 def _title(p: Any) -> str:
     head = (f"{p.model} ({p.params / 1e9:g}B params) on {p.gpus} GPUs ({p.gpus_per_node}/node, "
             f"{p.gpu_mem_gb:g} GB): {p.layout.describe()}")
+    cp = f" ({p.seq_len // p.layout.cp} tokens per cp rank)" if p.layout.cp > 1 else ""
     batch = (f"global batch {p.global_batch} = dp {p.layout.dp} × micro-batch {p.micro_batch} × "
-             f"M {p.microbatches}, seq {p.seq_len}, {p.dtype}, {p.optimizer}")
+             f"M {p.microbatches}, seq {p.seq_len}{cp}, {p.dtype}, {p.optimizer}")
     return head + "\n" + batch
 
 

@@ -1,17 +1,20 @@
 """Sizing each pipeline rank of a layout: its stages and blocks, parameters after TP, and memory.
 
 ``stage_plans`` gives one ``StagePlan`` per pp rank: the stages ``kernels.contract.layout_rules``
-places on it, the blocks ``layer_split`` gives those stages, its Ψ after TP, its memory
-and its exact traffic (``lab.planning.plan_comm``). A preset splits Ψ evenly over its blocks
-(embeddings not singled out); the lab's GPT (``lab.planning.plan_models.gpt_tensors``) is counted
+places on it, the blocks ``layer_split`` gives those stages, its Ψ after TP (and its experts after EP),
+its memory and its exact traffic (``lab.planning.plan_comm``). A preset splits its dense Ψ evenly over its
+blocks (embeddings not singled out) and its experts by the MoE layers each stage holds; the lab's GPT
+(``lab.planning.plan_tensors.gpt_tensors``) is counted
 tensor by tensor: TP splits what ``kernels.parallel.tensor_parallel`` splits (tp rank 0's chunk,
 the largest) and replicates the norms and row-parallel biases, and PP gives the
 embeddings to the first stage, the final norm and LM head to the last.
 
-Memory: parameters, gradients and optimizer states shard by TP and PP, then over the dp
-axis as ZeRO says (``lab.planning.plan_math.zero_memory``); activations are b·s·h·L·16 bytes per
-micro-batch times the micro-batches the schedule keeps in flight (``in_flight``), split
-by TP only under sequence parallelism. Pure Python; no torch.
+Memory: parameters, gradients and optimizer states shard by TP and PP, then over the data
+axis (dp · cp ranks) as ZeRO says (``lab.planning.plan_math.zero_memory``); under expert parallelism a
+rank's E/ep experts are whole (DDP's 2+2+K bytes each), as the lab keeps them outside ZeRO/FSDP.
+Activations are b·(s/cp)·h·L·16 bytes per micro-batch, plus each MoE layer's dispatched tokens and router
+probabilities (``plan_math.moe_activation_bytes``), times the micro-batches the schedule keeps in flight
+(``in_flight``), split by TP only under sequence parallelism. Pure Python; no torch.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.contract.layout_rules import layer_split, stage_ids
-from lab.planning.plan_comm import CommEntry, Work, all_entries
+from lab.planning.plan_comm import CommEntry, Work, all_entries, sharded_psi
 from lab.planning.plan_math import (ACTIVATION_FACTOR, GB, SELECTIVE_FACTOR, activation_bytes,
-                                   checkpointed_activation_bytes, zero_memory)
+                                   checkpointed_activation_bytes, moe_activation_bytes, zero_memory)
 from lab.planning.plan_mesh import Layout
-from lab.planning.plan_models import ModelSpec, gpt_tensors
+from lab.planning.plan_models import ModelSpec
+from lab.planning.plan_moe import moe_layer_ids, routed_params_in
+from lab.planning.plan_tensors import gpt_tensors
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     capacity: float  # gpu_mem_gb × 1e9
+    experts: float = 0.0  # of params + grads + optimizer: the routed experts' share (split by ep, ZeRO'd only at ep 1)
 
     @property
     def total(self) -> float:
@@ -59,27 +65,42 @@ class StagePlan:
     pp_rank: int
     stage_ids: tuple[int, ...]  # global stage indices on this rank (kernels.contract.layout_rules.stage_ids)
     layers: int | None  # transformer blocks on this rank
-    params: float  # Ψ on this rank after TP and PP, before dp sharding
+    params: float  # Ψ on this rank after TP, PP and EP, before dp sharding (experts included)
     memory: MemoryBreakdown
     comm: tuple[CommEntry, ...]  # this rank's traffic, its p2p sends exactly
+    expert_params: float = 0.0  # of params: the routed experts this rank holds (E/ep of each of its MoE layers)
+    moe_layers: int = 0  # MoE layers among its blocks
 
 
-def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> tuple[float, int | None]:
-    """(Ψ after TP, blocks) of the pipeline rank holding stages ``ids``.
+@dataclass(frozen=True)
+class StageParams:
+    """What one pipeline rank holds before dp sharding."""
 
-    A per-tensor model sums its tensors' tp-rank-0 chunks; any other model takes its
-    blocks' share of Ψ, divided by tp (140 GB of weights are 17.5 GB per rank under TP8).
+    dense: float  # non-expert Ψ after TP
+    experts: float  # routed expert Ψ after EP (TP keeps experts whole)
+    layers: int | None  # blocks
+    moe_layers: int = 0  # of which MoE layers
+
+
+def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> StageParams:
+    """The parameters of the pipeline rank holding stages ``ids``.
+
+    A per-tensor model sums its tensors' tp-rank-0 chunks (experts: E/ep of each packed tensor); any
+    other model takes its blocks' share of the dense Ψ, divided by tp (140 GB of weights are 17.5 GB per
+    rank under TP8), and the routed experts of its MoE layers divided by ep.
     """
     n_stages = lay.num_stages
     if spec.layers is None:
-        return spec.params / lay.pp / lay.tp, None
+        return StageParams(spec.params / lay.pp / lay.tp, 0.0, None)
     blocks = {b for s in ids for b in layer_split(spec.layers, n_stages, s)}
+    moe_layers = len(blocks & set(moe_layer_ids(spec)))
     if not spec.per_tensor:
-        return spec.params * len(blocks) / spec.layers / lay.tp, len(blocks)
+        dense = (spec.params - routed_params_in(spec, set(range(spec.layers)))) * len(blocks) / spec.layers / lay.tp
+        return StageParams(dense, routed_params_in(spec, blocks) / lay.ep, len(blocks), moe_layers)
     mine = {"embed": 0 in ids, "head": n_stages - 1 in ids}
-    total = sum(t.tp_numel(lay.tp) for t in gpt_tensors(spec)
-                if (t.block in blocks if t.owner == "block" else mine[t.owner]))
-    return float(total), len(blocks)
+    held = [t for t in gpt_tensors(spec) if (t.block in blocks if t.owner == "block" else mine[t.owner])]
+    dense = sum(t.tp_numel(lay.tp) for t in held if not t.expert)
+    return StageParams(float(dense), sum(t.numel for t in held if t.expert) / lay.ep, len(blocks), moe_layers)
 
 
 def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k: float, gpu_mem_gb: float,
@@ -89,23 +110,29 @@ def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k:
     out = []
     for r in range(lay.pp):
         ids = stage_ids(lay.schedule, r, lay.pp, lay.stages_per_rank)
-        psi, layers = stage_params(spec, lay, ids)
-        w = dataclasses.replace(base, psi_local=psi, layers_on_rank=layers, stage_ids=ids, num_stages=n_stages,
-                                embed=spec.sharded_ends and 0 in ids, head=spec.sharded_ends and n_stages - 1 in ids)
+        held = stage_params(spec, lay, ids)
+        w = dataclasses.replace(base, psi_local=held.dense, layers_on_rank=held.layers, stage_ids=ids,
+                                num_stages=n_stages, embed=spec.sharded_ends and 0 in ids,
+                                head=spec.sharded_ends and n_stages - 1 in ids, expert_psi=held.experts,
+                                moe_layers=held.moe_layers)
         mem = stage_memory(lay, w, k, gpu_mem_gb, activations_gb, stage=r)
-        out.append(StagePlan(r, ids, layers, psi, mem, all_entries(lay, w, gpus_per_node)))
+        out.append(StagePlan(r, ids, held.layers, held.dense + held.experts, mem, all_entries(lay, w, gpus_per_node),
+                             held.experts, held.moe_layers))
     return tuple(out)
 
 
 def stage_memory(lay: Layout, w: Work, k: float, gpu_mem_gb: float, activations_gb: float | None,
                  stage: int = 0) -> MemoryBreakdown:
-    """Model states as ZeRO shards them over dp (over dp_shard under HSDP), and the activations in flight."""
-    params, grads, opt = zero_memory(w.psi_local, lay.dp_shard, lay.zero, w.elem_bytes, w.elem_bytes, k)
-    if activations_gb is not None:
-        act = activations_gb * GB
-    else:
-        act = _activations(lay, w, stage)
-    return MemoryBreakdown(params, grads, opt, act, gpu_mem_gb * GB)
+    """Model states as ZeRO shards them over the data axis (over dp_shard under HSDP), experts whole under EP,
+    and the activations in flight."""
+    states = zero_memory(sharded_psi(lay, w), lay.dp_shard, lay.zero, w.elem_bytes, w.elem_bytes, k)
+    if lay.ep > 1:
+        own = zero_memory(w.expert_psi, 1, 0, w.elem_bytes, w.elem_bytes, k)
+        states, experts = tuple(a + b for a, b in zip(states, own)), sum(own)
+    else:  # the experts are ZeRO-sharded with everything else: their share of it
+        experts = sum(zero_memory(w.expert_psi, lay.dp_shard, lay.zero, w.elem_bytes, w.elem_bytes, k))
+    act = activations_gb * GB if activations_gb is not None else _activations(lay, w, stage)
+    return MemoryBreakdown(*states, act, gpu_mem_gb * GB, experts)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
@@ -132,14 +159,17 @@ def _activations(lay: Layout, w: Work, stage: int = 0) -> float:
     if w.hidden is None or w.layers_on_rank is None:
         return 0.0
     flight = in_flight(lay.schedule, lay.pp, w.microbatches, lay.stages_per_rank, stage)
-    one = activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank, w.elem_bytes)
+    # A MoE layer keeps its dispatched tokens and router probabilities on top of a dense block's estimate.
+    moe = moe_activation_bytes(w.micro_batch, w.seq_len, w.dispatched, w.hidden, w.experts, w.elem_bytes) \
+        if w.moe_layers else 0.0
+    one = activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank, w.elem_bytes) + moe * w.moe_layers
     if lay.activation_checkpointing == "selective":  # the matmul outputs and block inputs, every block in flight
         total = one * SELECTIVE_FACTOR / ACTIVATION_FACTOR * flight
     elif lay.activation_checkpointing:
         kept = checkpointed_activation_bytes(w.micro_batch, w.seq_len, w.hidden, w.layers_on_rank,
                                              w.elem_bytes)
         block = activation_bytes(w.micro_batch, w.seq_len, w.hidden, 1, w.elem_bytes)
-        total = (kept - block) * flight + block  # inputs of every block in flight, one block live
+        total = (kept - block) * flight + block + moe  # inputs of every block in flight, one block live
     else:
         total = one * flight
     return total / (lay.tp if lay.sequence_parallel else 1)

@@ -23,7 +23,7 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
          activation_checkpointing: bool | None = None, schedule: str | None = None,
          microbatches: int | None = None, target_iter_s: float = 1.0,
          activations_gb: float | None = None, intra_alpha_us: float = DEFAULT_ALPHA_US["intra"],
-         inter_alpha_us: float = DEFAULT_ALPHA_US["inter"]) -> Plan:
+         inter_alpha_us: float = DEFAULT_ALPHA_US["inter"], ep: int | None = None, cp: int | None = None) -> Plan:
     """Size one layout analytically.
 
     ``model``: a preset name, a parameter count, a dict of shape fields, a ``ModelSpec``, a ``lab.GPT``,
@@ -31,7 +31,11 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     (``lab.planning.plan_own_models``).
 
     ``parallel``: a ``lab.run.parallel.Parallel``, any object with its attributes, or a dict
-    (dp may be left out of a dict: it is gpus / (tp·pp)); None asks ``recommend()``.
+    (dp may be left out of a dict: it is gpus / (tp·pp·cp)); None asks ``recommend()``.
+    ``ep``: expert parallelism (each MoE layer's experts split over groups of ep dp ranks; ep divides dp
+    and the experts); ``cp``: context parallelism (each sequence split over cp ranks, attention as a ring;
+    world = pp·dp·cp·tp). Given here they win over ``parallel``'s; with no ``parallel`` they fix
+    ``recommend()``'s search (docs/design.md#experts-and-context-parallelism).
     ``intra_bw``/``inter_bw``: GB/s per GPU inside a node and between nodes (defaults:
     the sizing guides' NVLink 900GB/s and EFA 3,200Gbps = 400GB/s). ``intra_alpha_us``/``inter_alpha_us``:
     each link's latency per ring step, which every call pays 2(n-1) times for an all-reduce
@@ -40,7 +44,7 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     ``activation_checkpointing`` default to the parallel object's, else "1f1b" and off.
     ``optimizer``: "adam" (K=12, docs/design.md#zero-formulas), "adam_bf16" (K=4, the Turing Inc. guide's convention),
     "sgd", "sgd_momentum", or K itself. ``activations_gb`` replaces the activation
-    estimate (the sizing guides' TP example assumes 20GB). Raises ValueError when dp·tp·pp ≠ gpus.
+    estimate (the sizing guides' TP example assumes 20GB). Raises ValueError when dp·cp·tp·pp ≠ gpus.
     """
     spec = model_spec(model)
     options = dict(intra_bw=intra_bw, inter_bw=inter_bw, global_batch=global_batch, micro_batch=micro_batch,
@@ -48,8 +52,10 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
                    activation_checkpointing=activation_checkpointing, target_iter_s=target_iter_s,
                    activations_gb=activations_gb, intra_alpha_us=intra_alpha_us, inter_alpha_us=inter_alpha_us)
     if parallel is None:
-        return _recommended(spec, gpus, gpus_per_node, gpu_mem_gb, {**options, "schedule": schedule or "1f1b"})
-    return plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=parallel, schedule=schedule, **options)
+        return _recommended(spec, gpus, gpus_per_node, gpu_mem_gb,
+                            {**options, "schedule": schedule or "1f1b", "ep": ep, "cp": cp})
+    return plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=parallel, schedule=schedule, ep=ep, cp=cp,
+                       **options)
 
 
 def _recommended(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: float,

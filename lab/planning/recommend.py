@@ -9,7 +9,15 @@ Hugging Face's multi-GPU guide, "Scalability Strategy"):
    divides the heads);
 3. DP grows as far as memory allows ("first grow DP as far as it goes");
 4. PP is added only when needed, with M >= 4P micro-batches per iteration;
-   among equal DP, fewer stages (less bubble) rank first, so TP is preferred to PP.
+   among equal DP, fewer stages (less bubble) rank first, so TP is preferred to PP;
+   what still ties ranks by its time on the links (the α–β time of every call).
+
+A model with experts is also tried at every expert-parallel size ``ep`` that divides both DP and the
+experts (EP lives inside DP, so it costs no DP: it trades the experts' memory, 1/ep, for all-to-alls).
+Context parallelism is tried only when asked (``cp=``), or when nothing fits even with activation
+checkpointing while the model states alone would: then it is activations of long sequences that do
+not fit, and CP divides them by cp (it shards no model state: dp·cp ranks share the data axis
+that dp alone would have). Checkpointing comes first because it needs no ranks (Fujii's talk).
 
 FSDP's hybrid strategy shards inside a node and replicates across nodes (its
 ``dp_replicate`` is chosen so). The dp axis is sharded as ``zero`` says, ZeRO-1 by default: it is the sharding under
@@ -29,6 +37,7 @@ from lab.planning.plan_layout import Plan, plan_layout
 from lab.planning.plan_math import GB
 from lab.planning.plan_mesh import Layout
 from lab.planning.plan_models import ModelSpec, get_model
+from lab.planning.plan_ranking import best_warnings, rank_key, reason
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class Candidate:
     def parallel(self) -> dict[str, Any]:
         """Fields for ``plan(parallel=...)`` or ``lab.Parallel(**...)``."""
         lay = self.plan.layout
-        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "zero": lay.zero,
                 "fsdp_strategy": lay.fsdp_strategy, "schedule": lay.schedule,
                 "microbatches": self.plan.microbatches,
                 "dp_replicate": lay.dp_replicate if lay.fsdp_strategy == "hybrid" else None}
@@ -118,44 +127,12 @@ def _microbatches(pp: int, dp: int, global_batch: int | None, micro_batch: int |
     return 4 * pp if pp > 1 else 1
 
 
-def _key(p: Plan) -> tuple[int, int, int]:
-    """Rank: M ≥ 4P first, then most DP, then fewest stages (hence the most TP)."""
-    lay = p.layout
-    short = lay.pp > 1 and p.microbatches < 4 * lay.pp
-    return (int(short), -lay.dp, lay.pp)
-
-
-def _reason(p: Plan, max_dp: int, fixed_dp: int | None) -> str:
-    lay, mem = p.layout, p.memory
-    parts = [f"{'fits' if p.fits else 'does NOT fit'}: {mem.total / GB:.1f} of {mem.capacity / GB:.0f} GB"
-             + (" with activation checkpointing" if lay.activation_checkpointing else "")]
-    parts.append(f"TP{lay.tp} inside a node" if lay.tp > 1 else "no TP")
-    most = " (the most data parallelism that fits)" if lay.dp == max_dp and p.fits else ""
-    parts.append(f"DP{lay.dp}{most}, ZeRO-{lay.zero}" if not lay.fsdp_strategy
-                 else f"DP{lay.dp}{most}, FSDP {lay.fsdp_strategy}")
-    if lay.pp > 1:
-        ok = ">=" if p.microbatches >= 4 * lay.pp else "<"
-        why = ""
-        if fixed_dp:
-            why = f" = gpus/(TP·DP) with DP fixed at {fixed_dp}"
-        elif most:
-            why = " to fit memory"
-        bubble = f"bubble {p.bubble:.1%}" if p.bubble is not None else f"{lay.schedule} bubble: no closed form"
-        parts.append(f"PP{lay.pp}{why}, M={p.microbatches} {ok} 4P, {bubble}")
-    else:
-        parts.append("no PP needed")
-    inter = p.link("inter")
-    if inter.wire_bytes:
-        parts.append(f"{inter.wire_bytes / GB:.1f} GB/iter between nodes ({inter.time_s:.2f} s)")
-    return "; ".join(parts)
-
-
 def recommend(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per_node: int = 8,
               gpu_mem_gb: float = 80.0, *, dp: int | None = None, zero: int = 1,
               fsdp_strategy: str | None = None, max_tp: int = 8, top_k: int = 5,
               global_batch: int | None = None, micro_batch: int | None = None,
               microbatches: int | None = None, activation_checkpointing: bool | None = None,
-              **plan_kwargs: Any) -> Recommendation:
+              ep: int | None = None, cp: int | None = None, **plan_kwargs: Any) -> Recommendation:
     """Ranked candidate layouts, best first, each with its reason.
 
     ``dp`` fixes the data-parallel size, as the Turing Inc. guide's formula
@@ -163,76 +140,109 @@ def recommend(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpu
     1024-GPU 405B example keeps DP=8). ``zero``/``fsdp_strategy`` shard the dp axis.
     Without a global batch, M = 4P. ``activation_checkpointing=None`` tries without it
     first and turns it on only when nothing fits (Fujii's distributed-training talk: "turn on
-    activation checkpointing and check whether TP and PP can be reduced"). Other keywords (seq_len,
-    dtype, optimizer, schedule, intra_bw, inter_bw, target_iter_s, activations_gb) go to ``plan_layout()``. When
-    nothing fits, the smallest layouts are returned with a warning.
+    activation checkpointing and check whether TP and PP can be reduced"). ``ep`` fixes the expert-parallel
+    size (None: every divisor of DP and of the experts, for a model with experts); ``cp`` the context-parallel
+    size (None: 1, or the sizes that cut the sequence into 2·cp chunks when only activations keep a layout
+    from fitting; module docstring). Other keywords (seq_len, dtype, optimizer, schedule, intra_bw, inter_bw,
+    target_iter_s, activations_gb) go to ``plan_layout()``. When nothing fits, the smallest layouts are
+    returned with a warning.
     """
     spec = get_model(model)
-    search = dict(dp=dp, zero=zero, fsdp_strategy=fsdp_strategy, max_tp=max_tp,
-                  global_batch=global_batch, micro_batch=micro_batch, microbatches=microbatches)
-    plans = _candidates(spec, gpus, gpus_per_node, gpu_mem_gb, bool(activation_checkpointing),
-                        search, plan_kwargs)
-    notes = []
-    if activation_checkpointing is None and plans and not any(p.fits for p in plans):
-        retry = _candidates(spec, gpus, gpus_per_node, gpu_mem_gb, True, search, plan_kwargs)
-        if retry and min(p.memory.total for p in retry) < min(p.memory.total for p in plans):
-            plans = retry
-            notes.append("nothing fits without activation checkpointing, so these layouts use it")
+    search = dict(dp=dp, zero=zero, fsdp_strategy=fsdp_strategy, max_tp=max_tp, global_batch=global_batch,
+                  micro_batch=micro_batch, microbatches=microbatches, ep=ep)
+    checkpointing = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
+    tried: list[tuple[list[Plan], list[str]]] = []
+    for sizes in [[cp]] if cp is not None else [[1], None]:  # None: the cp sizes, if only activations block
+        if sizes is None:
+            if not _activations_block(tried[-1][0], gpu_mem_gb):
+                break
+            sizes = _cp_choices(spec, gpus, plan_kwargs.get("seq_len"))
+        for ac in checkpointing:
+            plans = _candidates(spec, gpus, gpus_per_node, gpu_mem_gb, ac, sizes, search, plan_kwargs)
+            tried.append((plans, _pass_notes(ac and activation_checkpointing is None, sizes != [1] and cp is None)))
+            if any(p.fits for p in plans):
+                return _rank(plans, top_k, gpu_mem_gb, fsdp_strategy, dp, tried[-1][1])
+    plans, notes = min(tried, key=lambda t: min((p.memory.total for p in t[0]), default=float("inf")))
     return _rank(plans, top_k, gpu_mem_gb, fsdp_strategy, dp, notes)
 
 
-def _candidates(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: float, ac: bool,
+def _pass_notes(checkpointing: bool, context: bool) -> list[str]:
+    """Why a search pass had to turn on what it did."""
+    return ((["nothing fits without activation checkpointing, so these layouts use it"] if checkpointing else [])
+            + (["nothing fits with whole sequences, so these layouts split each one over cp ranks (context "
+                "parallelism)"] if context else []))
+
+
+def _activations_block(plans: list[Plan], gpu_mem_gb: float) -> bool:
+    """Whether a layout's model states fit the GPU but its activations do not: what context parallelism cures."""
+    return bool(plans) and any(p.memory.total - p.memory.activations <= gpu_mem_gb * GB for p in plans)
+
+
+def _cp_choices(spec: ModelSpec, gpus: int, seq_len: int | None) -> list[int]:
+    """Context-parallel sizes above 1 that divide the GPUs and cut the sequence into 2·cp whole chunks."""
+    seq = seq_len or spec.seq_len
+    return [c for c in divisors(gpus) if c > 1 and seq % (2 * c) == 0] if spec.has_shape else []
+
+
+def _ep_choices(spec: ModelSpec, dp: int, fixed: int | None) -> list[int]:
+    """Expert-parallel sizes for a candidate's dp: the one asked for, or every divisor of dp and of the experts."""
+    if fixed is not None:
+        return [fixed] if dp % fixed == 0 else []
+    return [e for e in divisors(dp) if spec.experts % e == 0] if spec.experts else [1]
+
+
+def _candidates(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: float, ac: bool, cp_sizes: list[int],
                 search: dict[str, Any], plan_kwargs: dict[str, Any]) -> list[Plan]:
-    """A plan for every (tp, pp, dp) the rules allow."""
-    dp, zero, fsdp_strategy = search["dp"], search["zero"], search["fsdp_strategy"]
-    global_batch, micro_batch = search["global_batch"], search["micro_batch"]
+    """A plan for every (tp, cp, pp, dp, ep) the rules allow."""
     plans = []
     for tp in tp_choices(spec, gpus, gpus_per_node, search["max_tp"]):
-        for pp in divisors(gpus // tp):
-            cand_dp = gpus // (tp * pp)
-            if (dp is not None and cand_dp != dp) or (spec.layers is not None and pp > spec.layers):
-                continue
-            m = _microbatches(pp, cand_dp, global_batch, micro_batch, search["microbatches"])
-            if m is None or m < pp:
-                continue  # no whole micro-batches, or fewer than 1F1B needs
-            par = {"dp": cand_dp, "tp": tp, "pp": pp, "microbatches": m,
-                   "zero": 0 if (cand_dp == 1 or fsdp_strategy) else zero,
-                   "fsdp_strategy": fsdp_strategy if cand_dp > 1 else None}
-            if par["fsdp_strategy"] == "hybrid":
-                par["dp_replicate"] = cand_dp // node_shard(cand_dp, tp, gpus_per_node)
-            try:
-                plans.append(plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=par,
-                                         global_batch=global_batch, micro_batch=micro_batch,
-                                         activation_checkpointing=ac, **plan_kwargs))
-            except ValueError:
-                continue
+        for cp in (c for c in cp_sizes if (gpus // tp) % c == 0):
+            for pp in divisors(gpus // (tp * cp)):
+                cand_dp = gpus // (tp * cp * pp)
+                if (search["dp"] is not None and cand_dp != search["dp"]) or \
+                        (spec.layers is not None and pp > spec.layers):
+                    continue
+                for ep in _ep_choices(spec, cand_dp, search["ep"]):
+                    plans += _plan_or_none(spec, gpus, gpus_per_node, gpu_mem_gb, ac,
+                                           {"dp": cand_dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}, search, plan_kwargs)
     return plans
+
+
+def _plan_or_none(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: float, ac: bool, sizes: dict[str, int],
+                  search: dict[str, Any], plan_kwargs: dict[str, Any]) -> list[Plan]:
+    """[the plan of one candidate], or [] when its batch does not split or the model refuses it."""
+    cand_dp, fsdp_strategy = sizes["dp"], search["fsdp_strategy"]
+    m = _microbatches(sizes["pp"], cand_dp, search["global_batch"], search["micro_batch"], search["microbatches"])
+    if m is None or m < sizes["pp"]:
+        return []  # no whole micro-batches, or fewer than 1F1B needs
+    data = cand_dp * sizes["cp"]  # the ranks ZeRO shards over
+    par = {**sizes, "microbatches": m, "zero": 0 if (data == 1 or fsdp_strategy) else search["zero"],
+           "fsdp_strategy": fsdp_strategy if data > 1 else None}
+    if par["fsdp_strategy"] == "hybrid":
+        par["dp_replicate"] = data // node_shard(data, sizes["tp"], gpus_per_node)
+    try:
+        return [plan_layout(spec, gpus, gpus_per_node, gpu_mem_gb, parallel=par, global_batch=search["global_batch"],
+                            micro_batch=search["micro_batch"], activation_checkpointing=ac, **plan_kwargs)]
+    except ValueError:
+        return []
 
 
 def _rank(plans: list[Plan], top_k: int, gpu_mem_gb: float, fsdp_strategy: str | None,
           fixed_dp: int | None, notes: list[str]) -> Recommendation:
     warnings = list(notes)
-    fitting = sorted((p for p in plans if p.fits), key=_key)
+    fitting = sorted((p for p in plans if p.fits), key=rank_key)
     if not plans:
         return Recommendation((), ("no layout could be formed: check gpus, gpus_per_node, the heads "
                                    "and the batch (M must be a whole number >= P)",))
     if not fitting:
-        chosen = sorted(plans, key=lambda p: (p.memory.total, _key(p)))[:top_k]
+        chosen = sorted(plans, key=lambda p: (p.memory.total, rank_key(p)))[:top_k]
         warnings.append(f"no layout fits in {gpu_mem_gb:g} GB per GPU; the smallest needs "
                         f"{chosen[0].memory.total / GB:.1f} GB. Try "
                         + ("" if chosen[0].layout.activation_checkpointing else "activation_checkpointing=True, ")
                         + "a smaller micro_batch or seq_len, a higher zero stage, or more GPUs")
     else:
         chosen = fitting[:top_k]
-        best = chosen[0]
-        if best.layout.pp > 1 and best.microbatches < 4 * best.layout.pp:
-            warnings.append(f"best layout has M={best.microbatches} < 4P={4 * best.layout.pp}: "
-                            "raise the global batch for a smaller bubble")
-        if best.layout.zero == 1 and best.layout.tp > 1 and not fsdp_strategy:
-            warnings.append("ZeRO-1 with TP is Megatron's distributed optimizer; lab.Parallel runs "
-                            "ZeRO-1 with ZeroRedundancyOptimizer, which refuses tp > 1: use zero=2 "
-                            "there (it needs no more memory)")
+        warnings += best_warnings(chosen[0], fsdp_strategy)
     max_dp = max((p.layout.dp for p in fitting), default=0)
-    cands = tuple(Candidate(p, _reason(p, max_dp, fixed_dp)) for p in chosen)
+    cands = tuple(Candidate(p, reason(p, max_dp, fixed_dp)) for p in chosen)
     return Recommendation(cands, tuple(warnings))
-

@@ -213,7 +213,7 @@ class Experiment:
         params = {0: {k: v.tolist() for k, v in out["params"].items()}} if return_params else {}
         return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),
                          step_times=[[per_step] * len(out["losses"])], layout=[{"rank": 0, "strategy": "reference"}],
-                         params=params, first_step=out["first_step"])
+                         params=params, first_step=out["first_step"], routing_records=out["routing"])
 
     def _resumed(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """``cfg`` with ``resume_from`` resolved to the path the ranks load, checked before anything launches."""

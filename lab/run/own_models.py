@@ -3,7 +3,8 @@
 ``own_config(model)`` reads the model once on the meta device (nothing allocated) and writes what
 every rank needs into one plain dict (``kernels.contract.model_rules``): how to build it (the HF
 config's ``to_dict``, or the factory pickled by value), its block list and the modules before and
-after it (the pipeline cut), its tensor-parallel plan and the widths that plan splits. The plans are:
+after it (the pipeline cut), its tensor-parallel plan and the widths that plan splits, and the experts its
+expert-parallel plan names (``kernels.model.own_experts``). The plans are:
 
 - an HF model's own (``_tp_plan``, from its config's ``base_model_tp_plan``), and its block list from
   ``base_model_pp_plan``; for GPT-2, which ships neither, the lab's (``GPT2_TP_PLAN``: the fused
@@ -25,6 +26,7 @@ import torch.nn as nn
 from kernels.contract.config_rules import ConfigError, Problem
 from kernels.contract.model_rules import HF, MODULE
 from kernels.model.family import OwnConfig
+from kernels.model.own_experts import expert_plan
 from kernels.model.own_model import encode_factory, matches
 from kernels.model.own_sequence_parallel import sequence_parallel_layout
 
@@ -81,7 +83,8 @@ def own_config(model: Any) -> OwnConfig:
               "tp_plan": tp_plan, "pp_plan": _pp_plan(meta, blocks, hf) if blocks else None,
               "tp_sizes": _tp_sizes(meta, tp_plan, hf), "tied": _tied(meta),
               "vocab": spec.vocab or _vocab(meta, hf), "seq_len": _seq_len(spec, meta, hf),
-              "sp": sequence_parallel_layout(meta, tp_plan, blocks) if tp_plan else None}
+              "sp": sequence_parallel_layout(meta, tp_plan, blocks) if tp_plan else None,
+              "ep": expert_plan(meta).summary()}
     if hf:
         fields["config"] = spec.factory.to_dict()
     else:

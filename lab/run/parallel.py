@@ -33,92 +33,12 @@ from typing import Any
 
 from kernels.contract import config_rules
 from kernels.contract.config_rules import ConfigError, Problem
-from kernels.contract.layout_combinations import stage_split_problems, tp_split_problems
+from kernels.contract.layout_combinations import (cp_chunk_problems, expert_split_problems, stage_split_problems,
+                                                  tp_split_problems)
 from kernels.contract.layout_rules import MESH_AXES, default_microbatches, default_stages_per_rank, hsdp_split, zero_stage
 from kernels.contract.strategy import Strategy, layout_problems, resolve_strategy
+from lab.run.parallel_rules import RULES  # re-exported: lab.run.parallel.RULES is the name the docs give
 
-RULES = {
-    "mesh-order": "mesh_order names pp, dp and tp once each, outermost first",
-    # The fields one at a time (kernels.contract.config_rules): Parallel, Experiment, RunConfig and GPTConfig.
-    "positive-sizes": "sizes and counts (dp, tp, pp, microbatches, stages_per_rank, dp_replicate, global_batch, "
-                      "steps, the model's layers, d_model, heads, vocab, seq_len, d_ff) must be ints >= 1, "
-                      "not bools, floats or strings",
-    "bool-flags": "switches (sequence_parallel, loss_parallel, cpu_offload, trace, "
-                  "measure, compile, the model's bias) must be True or False, not 1 or 'yes'",
-    "adamw": "AdamW needs a finite lr > 0, eps > 0, weight_decay >= 0 and betas two numbers in [0, 1)",
-    "seed": "seeds must be ints in [0, 2**64), the range torch.Generator.manual_seed takes",
-    "model-keys": "the model's fields are GPTConfig's (layers, d_model, heads, vocab, seq_len, d_ff, bias) or, for "
-                  "lab.Llama, Llama 3's (layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rope_theta, norm_eps)",
-    "heads-d-model": "d_model (a Llama's hidden) must be divisible by heads, and a Llama's heads by kv_heads",
-    "data-vocab": "the data's token ids must fit the model's vocab (the synthetic chain needs vocab >= 4: every "
-                  "token has 4 distinct successors; bytes need the largest byte; modular addition mod p needs p + 2)",
-    "data": "data= is None, lab.Text, lab.Tokens, lab.ModularAddition or lab.Batches (a path, a list of paths, "
-            "a 1-D tensor of ids, a datasets.Dataset or an iterable of batches stand for them), with the fields "
-            "its kind needs",
-    "data-file": "the data's files exist where the ranks read them and hold text, or 1-D integer token ids",
-    "data-length": "the data holds at least one sequence: seq_len + 1 tokens (your own batches: one per step)",
-    "data-batch": "each of your own batches holds global_batch sequences",
-    # A model the user brought (kernels.contract.model_rules, lab.run.own_models).
-    "model-build": "the model builds from its factory or its Hugging Face config (transformers installed)",
-    "model-pickle": "a lab.Model's factory and loss can be pickled (by value), so every rank can build it",
-    "tp-plan": "tp > 1 needs a tensor-parallel plan whose every entry names a module (or parameter) of the model",
-    "tp-style": "every style in the plan is one the lab applies (kernels.contract.model_rules.TP_STYLES)",
-    "tp-width": "tp must divide each width the tensor-parallel plan splits",
-    "measure-on-size": "lab.plan(..., measure_on=pool) runs the layout's tp and pp on the pool: tp*pp must divide "
-                       "its ranks",
-    "tp-sp-model": "sequence_parallel needs blocks of norms and column- then row-split regions, then norms and a head",
-    "pp-blocks": "pp > 1 needs the model's block list: blocks= names a non-empty nn.ModuleList",
-    "trace-pipeline": "trace=True times pipeline actions, so it needs pp > 1",
-    "synthetic-cost": "synthetic_forward_s is a finite number of seconds > 0, and needs trace=True",
-    "optimizer": "the optimizer must be one of kernels.contract.config_rules.OPTIMIZERS: adamw or sgd",
-    "argument-types": "an Experiment's model is a lab.GPT, a lab.Llama, a Hugging Face config or a lab.Model, "
-                      "and its parallel a lab.Parallel",
-    "model-seed": "the Experiment's seed fixes the weights: lab.GPT's seed must be left at 0 or equal it",
-    "checkpoint": "checkpoint_dir and resume_from are path strings, checkpoint_every an int >= 1; checkpoint_every "
-                  "and checkpoint_async need checkpoint_dir; a resume needs steps beyond the checkpoint's step",
-    "checkpoint-dir": "checkpoint_dir must be a directory this process can create and write into",
-    "faults": "faults is a list of lab.Slow/Hang/Crash/Kill on ranks of the pool, at steps the run takes",
-    "hang-after": "hang_after is None or a number of seconds > 0",
-    "log-to": "log_to is 'tensorboard:DIR' or 'wandb', with that package installed",
-    # A parameter server's arguments (lab.ParameterServer).
-    "ps-servers": "servers is an int from 1 to world_size-1: at least one rank must be a worker",
-    "ps-mode": "mode is 'sync', 'async' or 'bounded'",
-    "ps-max-staleness": "max_staleness is an int >= 0 for mode 'bounded', and None otherwise",
-    "ps-faults": "faults act on workers, not on server ranks",
-    # The layout, and the layout against the model and the world.
-    "world-size": "dp * tp * pp must equal the world size",
-    "tp-heads": "the number of heads must be divisible by tp",
-    "tp-d-model": "d_model must be divisible by tp",
-    "tp-d-ff": "d_ff must be divisible by tp",
-    "tp-kv-heads": "a Llama's kv_heads must be divisible by tp: each rank keeps whole key/value heads",
-    "tp-ffn": "a Llama's ffn (its MLP width) must be divisible by tp",
-    "tp-vocab": "vocab must be divisible by tp: the token embedding and the LM head are split over the vocab",
-    "tp-seq-len": "seq_len must be divisible by tp: the position table is split over positions "
-                  "(and sequence parallel splits the sequence)",
-    "loss-parallel-pp": "loss_parallel needs pp == 1: a pipeline schedule computes the loss inside its last stage",
-    "pp-layers": "layers must be divisible by the number of stages pp * stages_per_rank",
-    "pp-microbatches": "microbatches must be at least pp (gpipe with 1 is naive model parallelism)",
-    "unknown-schedule": "the schedule must be one of SCHEDULES",
-    "single-stage-schedule": "gpipe and 1f1b run exactly one stage per rank (stages_per_rank == 1)",
-    "1f1b-microbatches": "Schedule1F1B needs microbatches >= the number of stages",
-    "interleaved-stages-per-rank": "interleaved schedules need stages_per_rank >= 2",
-    "interleaved-rounds": "interleaved schedules need microbatches % max(1, microbatches // pp) == 0",
-    "v-schedule-stages": "zbv and dualpipev need exactly 2 stages per rank (stages_per_rank == 2)",
-    "dualpipev-microbatches": "DualPipeV needs microbatches >= the number of stages",
-    "global-batch": "global_batch must be divisible by dp * microbatches",
-    "zero-stage": "zero must be 0, 1, 2 or 3",
-    "fsdp-strategy": "fsdp_strategy must be None or one of FSDP_STRATEGIES",
-    "zero-fsdp-agree": "zero and fsdp_strategy given together must agree (2: grad_op, 3: full)",
-    "hybrid-dp": "hybrid sharding needs dp >= 2 to split into replicate x shard",
-    "dp-replicate": "dp_replicate is for fsdp_strategy 'hybrid' only, and must divide dp",
-    "mixed-precision": "mixed_precision must be None or 'bf16'",
-    "activation-checkpointing": "activation_checkpointing must be False, True (recompute each block in backward) "
-                                "or 'selective' (recompute all but the matmuls and collectives)",
-    "cpu-offload": "cpu_offload needs full sharding (zero 3 / FSDP full or hybrid)",
-    "zero1-dtensor": "ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters, so not with tp > 1",
-    "zero3-split-backward": "ZeRO-3 (FSDP2 resharding after forward) gives wrong gradients under the "
-                            "split-backward schedules interleaved_zero_bubble, zbv and dualpipev; use zero 2 there",
-}
 
 
 class ParallelConfigError(ConfigError):
@@ -148,6 +68,8 @@ class Parallel:
     # Rank order over the mesh axes, outermost first: the default keeps each tp group on
     # neighbouring ranks (one host); ("pp", "tp", "dp") spreads it over hosts, to see what that costs.
     mesh_order: tuple[str, ...] = MESH_AXES
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over groups of ep dp ranks (ep divides dp)
+    cp: int = 1  # context parallelism: each sequence split over cp more ranks, attention as a ring
 
     def __post_init__(self) -> None:
         problems = self._field_problems()
@@ -158,7 +80,8 @@ class Parallel:
     # --- resolved values --------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        """dp · cp · tp · pp: ep splits the dp ranks' experts and adds no ranks."""
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def num_stages_per_rank(self) -> int:
@@ -187,7 +110,8 @@ class Parallel:
     @property
     def hsdp_sizes(self) -> tuple[int, int]:
         """(dp_replicate, dp_shard) under hybrid sharding (dp_replicate or the default split); (1, dp) otherwise."""
-        return hsdp_split(self.dp, self.dp_replicate) if self.fsdp_strategy == "hybrid" else (1, self.dp)
+        data = self.dp * self.cp  # context-parallel ranks share the weights: FSDP shards over dp · cp ranks
+        return hsdp_split(data, self.dp_replicate) if self.fsdp_strategy == "hybrid" else (1, data)
 
     @property
     def uses_fsdp(self) -> bool:
@@ -223,8 +147,12 @@ class Parallel:
     def _model_problems(self, cfg: Any, world_size: int, global_batch: Any) -> list[Problem]:
         out = []
         if self.world_size != world_size:
-            out.append(("world-size", f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} "
+            out.append(("world-size", f"dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp} = {self.world_size} "
                         f"must equal the world size {world_size}"))
+        out += cp_chunk_problems(self.cp, getattr(cfg, "seq_len", None))
+        # A model the user brought says what ep needs of the experts its ep plan names (OwnConfig.expert_problems).
+        out += cfg.expert_problems(self.ep) if hasattr(cfg, "expert_problems") else \
+            expert_split_problems(self.ep, getattr(cfg, "experts", None))
         # What tensor parallelism splits: a model config's own tp_sizes (lab.GPT, lab.Llama), which the
         # ranks check too; a bare description of a GPT (layers, d_model, heads, ...) gives its sizes.
         if hasattr(cfg, "tp_sizes"):
@@ -233,6 +161,7 @@ class Parallel:
             sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "d_ff": getattr(cfg, "d_ff", None) or 4 * cfg.d_model,
                      "vocab": getattr(cfg, "vocab", None), "seq_len": getattr(cfg, "seq_len", None)}
         out += tp_split_problems(self.tp, sizes, self.sequence_parallel)
+        out += config_rules.moe_layout_problems(getattr(cfg, "experts", 0), self.sequence_parallel)
         if cfg.layers is not None:  # a model the user brought may have no block list ([pp-blocks] when pp > 1)
             out += stage_split_problems(cfg.layers, self.num_stages)
         per_step = self.dp * self.num_microbatches

@@ -6,17 +6,18 @@ exactly what the live one showed (docs/design.md#records-and-views).
 """
 from __future__ import annotations
 
-import html
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernels.contract.expert_context_records import RingStep, RoutingStep
 from kernels.contract.stragglers import stragglers, typical_per_rank
 from kernels.contract.measure_records import Throughput
 from lab.measure import timeline as _timeline
 from lab.measure.comm_prediction import comm_records
+from lab.run.comm_table import CommTable
 from lab.measure.memory_and_comm import memory_records
 from lab.measure.throughput import run_throughput
 
@@ -71,7 +72,9 @@ class RunResult:
             warnings=list(warnings) + found.pop("warnings"),
             params={rank: r["params"] for rank, r in enumerate(per_rank)} if return_params else {},
             first_step=per_rank[0].get("first_step", 0),
-            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg.get("faults", [])), **found)
+            step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg.get("faults", [])),
+            ring_records=[s for r in per_rank for s in r.get("ring_steps", [])],
+            routing_records=[s for r in per_rank for s in r.get("routing_steps", [])], **found)
 
     @property
     def steps_ran(self) -> list[int]:
@@ -82,6 +85,10 @@ class RunResult:
     faults: list[dict[str, Any]] = field(default_factory=list)  # lab.Slow/Hang/Crash/Kill injected, as dicts
     # trace=True: what each rank held after each action of the traced step (kernels.contract.measure_records.MemorySample dicts)
     memory_timeline: list[dict[str, Any]] = field(default_factory=list)
+    # cp > 1: every rank's ring steps in the last step's forward (RingStep dicts; the view is ``ring_steps()``)
+    ring_records: list[dict[str, Any]] = field(default_factory=list)
+    # a model with experts: every rank's routing per step and MoE layer (RoutingStep dicts; the view is ``routing()``)
+    routing_records: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -109,6 +116,8 @@ class RunResult:
     def _need(self, name: str, what: str) -> None:
         if not getattr(self, name):
             option = {"events": "trace=True (a pipeline layout, pp > 1)",
+                      "ring_records": "a context-parallel layout, lab.Parallel(cp=2) or more,",
+                      "routing_records": "a model with experts, lab.GPT(..., experts=E),",
                       "progress": "nothing: run it with progress on (the default) or start()"}.get(name, "measure=True")
             raise NotRecordedError(f"this run recorded no {what}: pass {option} to lab.Experiment and run it again")
 
@@ -149,6 +158,32 @@ class RunResult:
         from widgets import plot_memory
         self._need_memory()
         return plot_memory(self.memory_records, moment, timeline=self.memory_timeline)
+
+    def ring_steps(self) -> list[RingStep]:
+        """Context parallelism (cp > 1): each rank's ring steps in the last step's last micro-batch forward, one
+        ``RingStep`` per ring step of each attention layer: which cp rank's key/value block it attended, its compute,
+        its wait for the next block and the bytes it sent on (``kernels.contract.expert_context_records``)."""
+        self._need("ring_records", "ring steps")
+        return [RingStep.from_dict(r) for r in self.ring_records]
+
+    def routing(self) -> list[RoutingStep]:
+        """A model with experts: each rank's routing per training step and MoE layer, summed over the step's
+        micro-batches: assignments per expert before any capacity drop, those kept, the balance loss
+        (``kernels.contract.expert_context_records``; the one-process reference's are all rank 0's, ep 1)."""
+        self._need("routing_records", "routing")
+        return [RoutingStep.from_dict(r) for r in self.routing_records]
+
+    def expert_routing(self, step: int | None = None, layer: str | None = None):
+        """``widgets.ExpertRouting`` of ``routing()``: the all-to-all matrix (rank x expert) of one step and MoE
+        layer (default: the last step, the first layer), the load per expert, imbalance, drops and balance loss."""
+        from widgets import ExpertRouting
+        return ExpertRouting(self.routing(), step=step, layer=layer)
+
+    def ring_timeline(self, step: int | None = None, layer: str | None = None):
+        """``widgets.RingTimeline`` of ``ring_steps()``: one lane per rank, each ring step's compute beside the
+        transfer of the next key/value block (default: the first attention layer)."""
+        from widgets import RingTimeline
+        return RingTimeline(self.ring_steps(), step=step, layer=layer)
 
     def comm(self) -> CommTable:
         """Per rank and collective type: count, bytes, seconds and busbw beside the analytic volume."""
@@ -205,36 +240,6 @@ class RunResult:
         data = json.loads(text)
         data["params"] = {int(k): v for k, v in data.get("params", {}).items()}
         return cls(**data)
-
-
-_COLUMNS = (("rank", "rank", "{}"), ("op", "op", "{}"), ("source", "source", "{}"), ("n", "group_size", "{}"),
-            ("count", "count", "{}"), ("bytes", "payload_bytes", "{:,}"),
-            ("predicted", "predicted_payload_bytes", "{:,.0f}"), ("ms", "seconds", "{:.3f}"),
-            ("busbw GB/s", "busbw", "{:.3f}"), ("inter-host", "inter_bytes", "{:,.0f}"),
-            ("planned inter", "predicted_inter_bytes", "{:,.0f}"))
-
-
-class CommTable(list):
-    """CommRecord dicts (a plain list) that print as a table: payload bytes beside the analytic volume,
-    and the wire bytes that crossed to another host beside the planner's (docs/design.md#traffic-inside-and-across-hosts).
-
-    ``ms`` is the summed time of the calls; busbw = payload / time × the nccl-tests factor (docs/design.md#bus-bandwidth).
-    """
-
-    def _cells(self) -> list[list[str]]:
-        scale = {"seconds": 1e3, "busbw": 1e-9}
-        return [[("-" if row.get(key) is None else fmt.format(row[key] * scale.get(key, 1)))
-                 for _, key, fmt in _COLUMNS] for row in self]
-
-    def __str__(self) -> str:
-        cells = [[name for name, _, _ in _COLUMNS]] + self._cells()
-        widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(name)}</th>" for name, _, _ in _COLUMNS)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in self._cells())
-        return f"<table class='cl-comm-table'><tr>{head}</tr>{body}</table>"
 
 
 def measured_fields(per_rank: list[dict[str, Any]], cfg: dict[str, Any], hosts: list[str] | None = None) -> dict[str, Any]:
