@@ -59,6 +59,7 @@ def assert_trains_like_one_process(cfg: dict, results: list[dict]) -> dict:
         assert res["losses"] == pytest.approx(ref["losses"], rel=FP32["loss_rtol"]), f"rank {rank} losses"
         assert res["grad_norms"] == pytest.approx(ref["grad_norms"], rel=FP32["norm_rtol"]), f"rank {rank} norms"
         _check_params(rank, res["params"], ref["params"], FP32, init)
-        assert res["params"].keys() == ref["params"].keys(), f"rank {rank}: parameters missing"
+    # A pipeline rank holds its stages' parameters only: together the ranks hold every one.
+    assert set().union(*(res["params"] for res in results)) == ref["params"].keys(), "parameters missing"
     assert ref["losses"][-1] < ref["losses"][0]
     return ref

@@ -40,6 +40,9 @@ LAYOUTS = {  # id -> the run's layout fields (ranks beyond world_size sit the ru
     "cp2-dp2-selective-recompute": {"dp": 2, "cp": 2, "activation_checkpointing": "selective"},
     "llama-cp2": {"cp": 2, "world_size": 2, "model": model_fields(lab.Llama(**LLAMA))},
     "llama-cp2-tp2": {"cp": 2, "tp": 2, "model": model_fields(lab.Llama(**LLAMA))},  # kv heads split too
+    # Every stage's attention is a ring over the same cp ranks; the schedule's micro-batches keep the rank's positions.
+    "cp2-pp2": {"cp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
+    "llama-cp2-pp2": {"cp": 2, "pp": 2, "schedule": "gpipe", "microbatches": 2, "model": model_fields(lab.Llama(**LLAMA))},
 }
 FAST = {"cp2", "cp2-dp2"}
 
@@ -119,8 +122,7 @@ def test_a_sequence_zigzag_cannot_cut_is_refused_by_cp_chunks():
     assert rules == ("cp-chunks",)
 
 
-def test_cp_with_a_pipeline_or_sequence_parallel_is_refused_by_cp_combination():
-    assert _refused(lambda pool: lab.Parallel(cp=2, pp=2)) == ("cp-combination",)
+def test_cp_with_sequence_parallel_is_refused_by_cp_combination():
     assert _refused(lambda pool: lab.Parallel(cp=2, tp=2, sequence_parallel=True)) == ("cp-combination",)
 
 

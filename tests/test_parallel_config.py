@@ -66,7 +66,6 @@ VIOLATIONS = [
                                                                seq_len=32))),
     ("ep-experts", dict(dp=2, ep=2), {}),  # a dense model has no experts to split
     ("cp-chunks", dict(cp=4), dict(model=SimpleNamespace(layers=8, d_model=64, heads=4, d_ff=256, seq_len=20))),
-    ("cp-combination", dict(cp=2, pp=2), {}),
     ("cp-combination", dict(cp=2, tp=2, sequence_parallel=True), {}),
     ("world-size", dict(dp=2, cp=2), dict(world=2)),
 ]
@@ -116,7 +115,7 @@ VALID = [
     dict(dp=4, fsdp_strategy="hybrid", zero=3),
     dict(dp=2, fsdp_strategy="no_shard"),
     dict(dp=2, tp=2, zero=3),
-    dict(cp=2), dict(dp=2, cp=2, zero=3), dict(cp=2, tp=2), dict(cp=2, fsdp_strategy="hybrid"),
+    dict(cp=2), dict(dp=2, cp=2, zero=3), dict(cp=2, tp=2), dict(cp=2, fsdp_strategy="hybrid"), dict(cp=2, pp=2),
     dict(pp=4, schedule="gpipe", microbatches=4),
     dict(pp=4, schedule="gpipe", microbatches=1),  # naive model parallelism (warned, not refused)
     dict(pp=2, schedule="interleaved_1f1b", microbatches=4),

@@ -68,7 +68,7 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
                     "interleaved_1f1b, looped_bfs)"))
     out += expert_problems(ep, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, fsdp_strategy=fsdp_strategy,
                            cpu_offload=cpu_offload)
-    out += context_problems(cp, pp=pp, sequence_parallel=sequence_parallel)
+    out += context_problems(cp, sequence_parallel=sequence_parallel)
     if loss_parallel and pp > 1:
         out.append(("loss-parallel-pp", f"loss_parallel needs pp == 1, got pp={pp}: a pipeline schedule computes "
                     "the loss inside its last stage, outside torch's loss_parallel() context"))
@@ -103,16 +103,13 @@ def expert_problems(ep: int, *, dp: int, tp: int, pp: int, cp: int, zero: int, f
     return out
 
 
-def context_problems(cp: int, *, pp: int, sequence_parallel: bool) -> list[Problem]:
-    """[cp-combination]: what context parallelism (ring attention over a cp axis) runs beside."""
-    if cp == 1:
-        return []
-    why = []
-    if pp > 1:
-        why.append(f"pp={pp} (not built in this lab: the stages would need each rank's positions)")
-    if sequence_parallel:
-        why.append("sequence_parallel (both split the sequence; CP already holds a sequence shard per rank)")
-    return [("cp-combination", f"cp={cp} cannot run with " + "; ".join(why))] if why else []
+def context_problems(cp: int, *, sequence_parallel: bool) -> list[Problem]:
+    """[cp-combination]: context parallelism (ring attention over a cp axis) and sequence parallelism both split
+    the sequence, so they do not run together."""
+    if cp > 1 and sequence_parallel:
+        return [("cp-combination", f"cp={cp} cannot run with sequence_parallel: both split the sequence, and CP "
+                 "already holds a sequence shard per rank (its norms and MLP run on s/cp tokens)")]
+    return []
 
 
 def cp_chunk_problems(cp: int, seq_len: int | None) -> list[Problem]:

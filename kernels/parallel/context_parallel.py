@@ -27,8 +27,10 @@ through the keys and values it computed.
 
 Tensor parallelism composes: TP splits the heads and the ring runs on the rank's own heads (the
 attention function is swapped, the Linears TP shards are untouched, so the order does not matter).
-Not built, and refused before launch: pipelines and sequence parallel ([cp-combination]), and
-models the user brought ([cp-model]): the lab swaps the attention of its own models only.
+Pipelines compose: every stage's attention is a ring over the same cp ranks, and a stage's input is
+already the rank's s/cp positions. Refused before launch: sequence parallel ([cp-combination]: both
+split the sequence), and models the user brought ([cp-model]): the lab swaps the attention of its own
+models only.
 
 On CUDA ranks the same ring runs (p2p over NCCL, or host-staged over gloo); torch's own
 ``torch.distributed.tensor.experimental.context_parallel``, which intercepts the CUDA SDPA kernels,

@@ -125,13 +125,14 @@ class RankBuild:
 
     def _build_pipeline(self) -> None:
         run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
-        transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=self.dp_mesh)
+        transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=self.dp_mesh,
+                                      cp_mesh=self.cp_mesh, ring_log=self.ring_log)  # each stage's attention a ring
         self.pipe = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
                                             strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
                                             self.device, model_loss(model_config(run)), model_transform=transform)
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
-        by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.dp > 1
+        by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.data > 1  # dp·cp ranks meet
         cfg = model_config(run)
         self.tied = TiedGrads(self.pipe.modules, pp_group(mesh), self.device) \
             if isinstance(cfg, OwnConfig) and cfg.spec.get("tied") else None

@@ -56,8 +56,8 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
         out["reduce_scatter"] = padded
     for e in stage.comm if stage is not None else []:
         if e.axis in ("tp", "pp", "ep", "cp"):
-            # pp and cp send and receive p2p (the ring: each send has its receive); ep's all-to-alls are dist calls
-            keys = {"pp": ["send"], "cp": ["send", "recv"], "ep": [e.op]}.get(e.axis, [f"tp_{e.op}"])
+            # pp's stage sends, cp's ring sends and receives (each send has its receive), ep's all-to-alls
+            keys = {"pp": ["send"], "cp": ["cp_send", "cp_recv"], "ep": [e.op]}.get(e.axis, [f"tp_{e.op}"])
             for key in keys:
                 out[key] = out.get(key, 0.0) + e.total_payload
     return out
@@ -97,6 +97,8 @@ def _predicted(pred: dict[str, float], row: dict[str, Any]) -> float | None:
     """The analytic volume for a row: dp-axis ops are "dist" rows, TP's are "funcol" rows."""
     if row["source"] == "funcol":
         return pred.get(f"tp_{row['op']}")
+    if row["source"] == "dist" and f"cp_{row['op']}" in pred:  # the ring's p2p (a stage boundary's is "pipeline")
+        return pred[f"cp_{row['op']}"]
     return pred.get(f"{row['op']}/{row['group_size']}", pred.get(row["op"]))  # a group-specific volume first
 
 

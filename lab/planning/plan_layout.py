@@ -186,7 +186,7 @@ def layout_notes(lay: Layout) -> list[str]:
     """What the lab would refuse of a layout the planner sizes (EP beside tp, pp or cp; CP beside pp)."""
     refused = expert_problems(lay.ep, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero=lay.zero,
                               fsdp_strategy=lay.fsdp_strategy, cpu_offload=False)
-    refused += context_problems(lay.cp, pp=lay.pp, sequence_parallel=lay.sequence_parallel)
+    refused += context_problems(lay.cp, sequence_parallel=lay.sequence_parallel)
     out = [f"lab.Parallel refuses this layout [{rule}]: {message}; the plan sizes it as a framework that "
            "builds it would run it" for rule, message in refused]
     return out

@@ -68,7 +68,7 @@ RULES = {
     "ep-combination": "expert parallelism runs beside data parallelism only (not with tp, pp or cp)",
     "ep-sharding": "with ep, the dense parts use DDP (zero 0) or FSDP2 (zero 2/3), not zero 1/hybrid/no_shard/offload",
     "cp-chunks": "seq_len must be divisible by 2 * cp: each cp rank holds two chunks, one from each end",
-    "cp-combination": "context parallelism runs beside dp, ZeRO/FSDP and tp, not with pp or sequence_parallel",
+    "cp-combination": "context parallelism runs beside dp, ZeRO/FSDP, tp and pp, not with sequence_parallel",
     "cp-model": "context parallelism runs on lab.GPT and lab.Llama only: the lab swaps the attention of its own models",
     "tp-heads": "the number of heads must be divisible by tp",
     "tp-d-model": "d_model must be divisible by tp",
