@@ -14,20 +14,15 @@ here, only what the layouts cost and save on this machine (2 cores, 4 gloo ranks
 from __future__ import annotations
 
 import argparse
-import statistics
 import warnings
 
 import lab
+from vs_torchrun import steady_step
 
 WARMUP = 2
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 64
 SEQ_LENS = (64, 128, 256)
 MICRO_BATCH = 2  # sequences per rank in every CP case
-
-
-def steady_step(step_times: list[list[float]]) -> float:
-    """Median over the steps after warm-up of the slowest rank's time."""
-    return statistics.median(max(rank[s] for rank in step_times) for s in range(WARMUP, len(step_times[0])))
 
 
 def peak_activations(result) -> int:
@@ -46,11 +41,11 @@ def expert_parallel(cluster, steps: int) -> None:
     moe = lab.GPT(**common, d_ff=EXPERT_WIDTH, experts=EXPERTS, top_k=TOP_K)
     dense = lab.GPT(**common, d_ff=TOP_K * EXPERT_WIDTH)  # the same active parameters per token
     base = steady_step(lab.Experiment(cluster, dense, lab.Parallel(dp=4), global_batch=16,
-                                      steps=steps).run(progress=False).step_times)
+                                steps=steps).run(progress=False).step_times, WARMUP)
     print(f"dense GPT (MLP width {TOP_K * EXPERT_WIDTH}) DP4: {base * 1e3:.1f} ms per step (baseline)")
     for ep in (1, 2, 4):
         exp = lab.Experiment(cluster, moe, lab.Parallel(dp=4, ep=ep), global_batch=16, steps=steps)
-        step = steady_step(exp.run(progress=False).step_times)
+        step = steady_step(exp.run(progress=False).step_times, WARMUP)
         sent = all_to_all_bytes(lab.Experiment(cluster, moe, lab.Parallel(dp=4, ep=ep), global_batch=16, steps=2,
                                                measure=True).run(progress=False))
         print(f"MoE {EXPERTS}x{EXPERT_WIDTH} top-{TOP_K} DP4 EP{ep}: {step * 1e3:.1f} ms per step, "
@@ -67,7 +62,7 @@ def context_parallel(cluster, steps: int) -> None:
             timed = lab.Experiment(cluster, model, parallel, global_batch=batch, steps=steps).run(progress=False)
             measured = lab.Experiment(cluster, model, parallel, global_batch=batch, steps=2,
                                       measure=True).run(progress=False)
-            runs[cp] = steady_step(timed.step_times), peak_activations(measured)
+            runs[cp] = steady_step(timed.step_times, WARMUP), peak_activations(measured)
         base_t, base_m = runs[1]
         for cp, (t, m) in runs.items():
             print(f"seq {seq_len} cp={cp}: {t * 1e3:.1f} ms per step ({t / base_t:.2f}x cp=1), peak activations "

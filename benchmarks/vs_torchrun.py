@@ -34,9 +34,9 @@ GLOBAL_BATCH, WARMUP = 16, 5
 JOB = Path(__file__).resolve().parent / "torchrun_job.py"
 
 
-def steady_step(step_times: list[list[float]]) -> float:
+def steady_step(step_times: list[list[float]], warmup: int = WARMUP) -> float:
     """Median over steady steps of the slowest rank's time."""
-    per_step = [max(rank[s] for rank in step_times) for s in range(WARMUP, len(step_times[0]))]
+    per_step = [max(rank[s] for rank in step_times) for s in range(warmup, len(step_times[0]))]
     return statistics.median(per_step)
 
 

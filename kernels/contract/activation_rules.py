@@ -152,7 +152,7 @@ def predicted_for(record: dict[str, Any]) -> dict[str, int] | None:
         flight = in_flight(record["schedule"], stages, int(record["microbatches"]), stage)
     d_ff = m.get("d_ff") or 4 * m["d_model"]  # GPTConfig's default
     # A context-parallel rank holds s/cp tokens, and its ring attention keeps what SDPA keeps for them.
-    seq = m["seq_len"] // int(record.get("cp", 1))
+    seq = m["seq_len"] // int(dims.get("cp", 1))
     one = predicted_parts(int(record["micro_batch"]), seq, m["d_model"], m["heads"], d_ff, m["vocab"],
                           layers, tp=dims.get("tp", 1), sequence_parallel=bool(record.get("sequence_parallel")),
                           loss_parallel=bool(record.get("loss_parallel")),

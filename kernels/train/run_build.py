@@ -204,8 +204,7 @@ class RankBuild:
                 "micro_batch": run.global_batch // (self.dims.dp * s.microbatches),
                 "activation_checkpointing": s.activation_checkpointing, "mixed_precision": s.mixed_precision,
                 "precision": "autocast" if s.autocast else ("bf16" if s.mixed_precision else "fp32"),
-                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel, "compile": s.compile,
-                "cp": s.cp}
+                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel, "compile": s.compile}
 
     def trace_record(self, tracer: PipelineTracer) -> dict[str, Any]:
         """The pipeline tracer's record of this rank's place in the mesh."""
