@@ -65,9 +65,10 @@ class RankError(LabError):
     """
 
     def __init__(self, failures: Sequence[RankFailure], summary: str = "",
-                 recovery: Recovery | None = None) -> None:
+                 recovery: Recovery | None = None, *, report: Any = None) -> None:
         self.failures = list(failures)
         self.recovery = recovery or Recovery()
+        self.report = report  # the lab.HangReport taken when the call failed (None: the call was not watched)
         cause = self.failures[0]
         lines = [summary or f"rank {cause.rank} on host {cause.host} raised {cause.ename}: {cause.evalue}"]
         if cause.where:
@@ -114,8 +115,7 @@ class RankTimeoutError(RankError, TimeoutError):
                  *, late: Sequence[int] = (), waiting: dict[int, str] | None = None, report: Any = None) -> None:
         self.late = list(late)
         self.waiting = dict(waiting or {})
-        self.report = report
-        super().__init__(failures, summary, recovery)
+        super().__init__(failures, summary, recovery, report=report)
 
 
 class HangError(RankTimeoutError):
@@ -123,7 +123,10 @@ class HangError(RankTimeoutError):
 
 
 class DeadRankError(RankError):
-    """An engine process died; ``recovery`` says whether the lab already replaced it."""
+    """An engine process died; ``recovery`` says whether the lab already replaced it.
+
+    ``report`` (when the run was watched) says what every rank was doing then, the dead one's last step included.
+    """
 
 
 class PoolStoppedError(LabError):

@@ -2,9 +2,11 @@
 
 - ``rank_views_notebook``: 4 CPU ranks run a traced 1F1B step (PP=4, synthetic costs), a ZeRO-3
   experiment, the collectives and a memory measurement; every view is drawn from what they return.
-- ``perf_notebook``: no ranks; one PipelineTimeline of 8 ranks x 32 micro-batches x F/I/W, built
-  from records the test saved, shown three times (three renders), with its state size printed.
-- ``gallery_perf_notebook``: the same step five times in one ScheduleGallery, shown three times.
+- ``rankless_notebook``: no ranks, one browser session for every view drawn from saved records (a
+  JupyterLab session costs more than the views): one PipelineTimeline of 8 ranks x 32 micro-batches
+  x F/I/W shown three times (three renders) with its state size printed; the same step five times
+  in one ScheduleGallery, shown three times; then the cells ``extra_cells`` adds (the expert and
+  context views).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ GALLERY_CELLS = [
     *["gallery"] * PERF_RENDERS,
     f"print({GALLERY_DONE!r})",
 ]
+RANKLESS_DONE = "rank-less views are ready"
 
 
 def _write(cells: list[str], path: Path) -> Path:
@@ -77,13 +80,9 @@ def rank_views_notebook(tmp_path: Path) -> Path:
     return _write(RANK_CELLS, tmp_path / "src" / "rank_views.ipynb")
 
 
-def perf_notebook(tmp_path: Path, saved: dict) -> Path:
-    """``saved``: {events, bubble, planned}, written beside the notebook's copy (the kernel's cwd)."""
+def rankless_notebook(tmp_path: Path, saved: dict, extra_cells: list[str]) -> Path:
+    """``saved``: {events, bubble, planned} of one 8 x 32 x F/I/W step, written beside the notebook's copy
+    (the kernel's cwd); the timeline cells, the gallery cells, ``extra_cells``, then ``RANKLESS_DONE``."""
     (tmp_path / "perf.json").write_text(json.dumps(saved))
-    return _write(PERF_CELLS, tmp_path / "src" / "timeline_perf.ipynb")
-
-
-def gallery_perf_notebook(tmp_path: Path, saved: dict) -> Path:
-    """``saved``: {events, bubble} of one 8 x 32 x F/I/W step, shown as a gallery of five panels."""
-    (tmp_path / "perf.json").write_text(json.dumps(saved))
-    return _write(GALLERY_CELLS, tmp_path / "src" / "gallery_perf.ipynb")
+    cells = [*PERF_CELLS, *GALLERY_CELLS, *extra_cells, f"print({RANKLESS_DONE!r})"]
+    return _write(cells, tmp_path / "src" / "rankless_views.ipynb")

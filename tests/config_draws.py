@@ -36,6 +36,8 @@ ODD = {
     ("parallel", "fsdp_strategy"): [*FSDP_STRATEGIES, "ddp", 1, True],
     ("parallel", "schedule"): [*SCHEDULES, "zigzag", None, 1, ["1f1b"]],
     ("parallel", "mixed_precision"): ["bf16", "fp16", 1, True],
+    ("parallel", "reshard_after_forward"): [False, {"root": False, "blocks": True}, {"head": True}, {"root": 0},
+                                            "yes", 1],
     ("parallel", "mesh_order"): [("pp", "tp", "dp"), ["dp", "tp", "pp"], ("pp", "dp"), ("pp", "dp", "dp"),
                                  "pp,dp,tp", None],
     **{("parallel", name): ODD_FLAGS + [True] for name in ("sequence_parallel", "loss_parallel",

@@ -52,6 +52,11 @@ REFUSALS = {
     "lr-string": ({}, {"dp": 4}, {"lr": "a"}, "adamw"),
     "vocab-2": ({"vocab": 2}, {"dp": 4}, {}, "data-vocab"),
     "seed-float": ({}, {"dp": 4}, {"seed": 1.5}, "seed"),
+    # training hygiene (kernels.contract.training_hygiene)
+    "grad-clip-zero": ({}, {"dp": 4}, {"grad_clip": 0.0}, "grad-clip"),
+    "lr-schedule-cosine-ends-before-warm-up": ({}, {"dp": 4}, {"lr_schedule": lab.WarmupCosine(4, 2)}, "lr-schedule"),
+    "shuffle-the-synthetic-chain": ({}, {"dp": 4}, {"shuffle": True}, "shuffle"),
+    "spike-guard-rollback": ({}, {"dp": 4}, {"spike_guard": lab.SpikeGuard(action="rollback")}, "spike-guard"),
     # the probe's loose acceptances
     "zero-float": ({}, {"dp": 4, "zero": 2.0}, {}, "zero-stage"),
     "sequence-parallel-string": ({}, {"tp": 4, "sequence_parallel": "yes"}, {}, "bool-flags"),
@@ -197,6 +202,10 @@ DIRECT_REFUSALS = {
                              "ps-faults"),
     "ps-hang-after-negative": (lambda pool: lab.ParameterServer(pool, lab.GPT(**TINY), hang_after=-1.0),
                                "hang-after"),
+    "auto-resume-without-checkpoints": (lambda pool: lab.Training(pool, lab.GPT(**TINY), lab.Parallel(dp=4),
+                                                                  auto_resume=True), "auto-resume"),
+    "on-event-not-a-url": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),
+                                                       on_event="hooks.example/x"), "on-event"),
     "checkpoint-every-without-dir": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),
                                                                  checkpoint_every=2), "checkpoint"),
     "checkpoint-dir-under-a-file": (lambda pool: lab.Experiment(pool, lab.GPT(**TINY), lab.Parallel(dp=4),

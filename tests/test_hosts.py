@@ -19,6 +19,7 @@ from kernels.contract.layout_rules import MESH_AXES, coords
 from lab.measure.host_traffic import inter_host_total
 from lab.measure.memory_and_comm import measure_layout
 from lab.planning.plan_mesh import axis_groups
+from lab.planning.planner import plan
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="simulated hosts need root (network namespaces, veth, tc)")
@@ -128,6 +129,23 @@ def test_inter_host_bytes_equal_the_planners(two_hosts, layout):
     # The kernel counted at least that many bytes between the hosts (it also counts headers,
     # the steps before the metered one and the groups' set-up).
     assert sum(after) - sum(before) >= metered
+
+
+@needs_root
+@pytest.mark.slow
+def test_hsdp_sends_between_hosts_what_the_planner_says_and_less_than_full_shard(two_hosts):
+    # HYBRID_SHARD with dp_replicate=2 shards inside each host and all-reduces each shard across them; FULL_SHARD's
+    # rings of 4 cross the link twice for every all-gather and reduce-scatter.
+    hsdp = {"dp": 4, "fsdp_strategy": "hybrid", "dp_replicate": 2}
+    between = {}
+    for name, layout in {"hybrid": hsdp, "full": {"dp": 4, "fsdp_strategy": "full"}}.items():
+        records = measure_layout(two_hosts, {**BASE, **layout})["comm"]
+        between[name] = inter_host_total(records)
+        assert between[name] == inter_host_total(records, "predicted_inter_bytes"), name
+    assert {r.op for r in records} == {"all_gather", "reduce_scatter"}
+    planned = plan(TINY, gpus=4, gpus_per_node=2, parallel=hsdp, global_batch=BASE["global_batch"], dtype="fp32")
+    assert between["hybrid"] == planned.link("inter").wire_bytes * 4  # every rank all-reduces its shard across
+    assert 0 < between["hybrid"] < between["full"]
 
 
 @needs_root

@@ -54,7 +54,10 @@ VIOLATIONS = [
     ("mixed-precision", dict(dp=2, zero=3, mixed_precision="fp16"), {}),
     ("cpu-offload", dict(dp=2, zero=2, cpu_offload=True), {}),
     ("cpu-offload", dict(dp=2, cpu_offload=True), {}),
-    ("zero1-dtensor", dict(dp=2, tp=2, zero=1), {}),
+    ("reshard-after-forward", dict(dp=2, zero=3, reshard_after_forward={"head": False}), {}),
+    ("reshard-after-forward", dict(dp=2, zero=3, reshard_after_forward={"root": 0}), {}),
+    ("reshard-fsdp", dict(dp=2, reshard_after_forward={"root": False}), {}),
+    ("reshard-fsdp", dict(dp=2, tp=2, reshard_after_forward=True), {}),  # FSDP2 only replicating: nothing sharded
     ("mesh-order", dict(dp=2, tp=2, mesh_order=("pp", "dp", "dp")), {}),
     ("mesh-order", dict(mesh_order="pp,dp,tp"), {}),
     ("ep-dp", dict(dp=3, ep=2), {}),
@@ -68,6 +71,10 @@ VIOLATIONS = [
     ("cp-chunks", dict(cp=4), dict(model=SimpleNamespace(layers=8, d_model=64, heads=4, d_ff=256, seq_len=20))),
     ("cp-combination", dict(cp=2, tp=2, sequence_parallel=True), {}),
     ("world-size", dict(dp=2, cp=2), dict(world=2)),
+    ("stage-layers", dict(pp=2, stage_layers=(4, 2, 2)), {}),  # three counts for two stages
+    ("stage-layers", dict(pp=2, stage_layers=(8, 0)), {}),
+    ("stage-layers", dict(stage_layers=(8,)), {}),  # no pipeline to split
+    ("stage-layers-sum", dict(pp=2, stage_layers=(5, 2)), {}),  # 7 blocks of the model's 8
 ]
 
 
@@ -109,6 +116,7 @@ VALID = [
     dict(dp=2, tp=2, pp=2, microbatches=4),
     dict(tp=4, sequence_parallel=True),
     dict(dp=2, zero=1, pp=2),
+    dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2, pp=2, zero=1),  # ZeRO-1 over TP's DTensors
     dict(dp=4, zero=3, mixed_precision="bf16", cpu_offload=True),
     dict(dp=4, fsdp_strategy="full", cpu_offload=True),
     dict(dp=4, zero=2, fsdp_strategy="grad_op"),

@@ -391,7 +391,10 @@ def test_hybrid_takes_dp_replicate_and_says_when_shard_groups_cross_nodes():
 
 
 def test_recommend_shards_hybrid_inside_a_node():
-    for cand in recommend(LLAMA70, gpus=32, fsdp_strategy="hybrid", zero=3):
+    # A layout without a data axis (DP1) has nothing to shard; it ranks beside the hybrid ones on time.
+    hybrid = [c for c in recommend(LLAMA70, gpus=32, fsdp_strategy="hybrid", zero=3) if c.layout.fsdp_strategy]
+    assert hybrid
+    for cand in hybrid:
         lay = cand.layout
         assert cand.parallel["dp_replicate"] == lay.dp_replicate  # replicate across nodes, shard a whole node
         assert lay.dp_shard * lay.tp <= 8 and (lay.dp_replicate == 1 or lay.dp_shard * lay.tp == 8), lay
@@ -468,11 +471,11 @@ def test_recommend_turns_on_checkpointing_only_when_needed():
     assert not small.best.layout.activation_checkpointing and not small.warnings
 
 
-def test_recommend_notes_that_lab_parallel_refuses_zero1_with_tp():
+def test_recommend_proposes_zero1_with_tp_without_sending_the_user_to_zero2():
+    # lab.Parallel trains ZeRO-1 beside TP (the optimizer states sharded over dp on the DTensors' local shards).
     rec = recommend(LLAMA70, 32, 8, 80, optimizer="adam_bf16", activations_gb=20)
     assert rec.best.parallel["zero"] == 1 and rec.best.parallel["tp"] > 1
-    assert any("zero=2" in w for w in rec.warnings)
-    assert not any("zero=2" in w for w in recommend("gpt2-1.5b", 8).warnings)
+    assert not any("zero=2" in w for w in rec.warnings)
 
 
 def test_loss_parallel_trades_the_logits_all_gather_for_three_b_s_all_reduces():

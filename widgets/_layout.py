@@ -122,11 +122,22 @@ def _row(record: dict[str, Any], names: list[str], sizes: dict[str, int], fsdp: 
     params = [_extent(held[n], coords, sizes) if n in held else None for n in names]
     owned = record["optimizer_params"]  # ZeRO-1: whole parameters whose optimizer state this rank owns
     optim = params if owned is None else [e if n in owned else None for n, e in zip(names, params)]
+    if record.get("optimizer_slices") is not None:  # ZeRO-1 with TP or PP: a flat slice of every local shard
+        optim = [_slice_rows(e, held[n], record["optimizer_slices"].get(n)) if e is not None else None
+                 for n, e in zip(names, params)]
     gathered = [_extent(held[n], coords, sizes, DP_AXES) if n in held else None for n in names] if fsdp else []
     return {"rank": record["rank"], "coords": coords, "strategy": record["strategy"],
             "stages": record["stage_ids"],
             "blocks": sorted({int(n.split(".")[1]) for n in held if _unit(n) != "root"}),
             "params": params, "optim": optim, "gathered": gathered}
+
+
+def _slice_rows(extent: list[int], info: dict[str, Any], bounds: list[int] | None) -> list[int] | None:
+    """The rows of ``extent`` that the flat slice ``bounds`` = [start, stop) of the local shard touches; None if empty."""
+    if not bounds or bounds[1] <= bounds[0]:
+        return None
+    width = math.prod(info["local_shape"][1:])  # elements per row of the local shard (1 for a vector)
+    return [extent[0] + bounds[0] // width, extent[0] + math.ceil(bounds[1] / width), *extent[2:]]
 
 
 def _sharding_view(layout: Any) -> dict[str, Any]:
@@ -158,7 +169,8 @@ def _title(first: dict[str, Any], sizes: dict[str, int], tensors: list[dict[str,
     split = f"dp_shard={sizes['dp_shard']} dp_replicate={sizes['dp_replicate']}"
     how = Counter(", ".join(f"{a}: {p}" for a, p in zip(t["mesh_axes"], t["placements"])) for t in tensors)
     placed = f"placements [{how.most_common(1)[0][0]}]" if how and how.most_common(1)[0][0] else "plain tensors"
-    owned = " · optimizer state split by parameter (ZeRO-1)" if first.get("optimizer_params") is not None else ""
+    owned = " · optimizer state split by parameter (ZeRO-1)" if first.get("optimizer_params") is not None else \
+        " · optimizer state split in 1/dp slices of every tensor (ZeRO-1)" if first.get("optimizer_slices") else ""
     # The ranks say in words what the user chose and what it runs as; a bare record gives its fields.
     how_dp = first.get("describe") or f"{first.get('strategy', '')} · ZeRO-{int(first.get('zero', 0) or 0)}"
     return f"{how_dp} · {mesh} · {split} · {placed}{owned}"

@@ -21,7 +21,9 @@ reads either.
 - ZeRO-1: a ``ZeroRedundancyOptimizer`` holds the AdamW state of the parameters its rank
   owns in its local optimizer (``.optim``); that one goes through ``get_state_dict``, so
   each dp rank writes the state of its own partition, and on load each rank reads the
-  state of the partition it owns now (another dp size partitions differently).
+  state of the partition it owns now (another dp size partitions differently). ZeRO-1 with TP or PP
+  (``kernels.parallel.zero1_slices``) gives torch's per-parameter state dict itself, each slice's
+  state gathered whole over dp, so it is saved and loaded as any plain optimizer's.
 - Completeness: every rank writes under ``<path>.partial``; once DCP's collective finish
   has written the global metadata, rank 0 writes ``meta.json`` and renames the directory
   to ``path``. A save killed before that leaves ``path`` absent (``kernels.checkpoint.files``).

@@ -11,11 +11,12 @@ Standard library only.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kernels.contract.config_rules import Problem
-from kernels.contract.layout_rules import (FSDP_STRATEGY_ZERO, SCHEDULES, default_microbatches, default_stages_per_rank,
-                                           microbatch_problems, stage_problems, zero_stage)
+from kernels.contract.layout_rules import (FSDP_STRATEGY_ZERO, FSDP_UNITS, SCHEDULES, default_microbatches,
+                                           default_stages_per_rank, microbatch_problems, reshard_units, stage_problems,
+                                           zero_stage)
 
 # Pipeline schedules that split each backward into an input-gradient and a weight-gradient pass.
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
@@ -30,7 +31,9 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
                          dp_replicate: int | None = None, cpu_offload: bool = False, loss_parallel: bool = False,
                          schedule: str = "1f1b", stages_per_rank: int | None = None,
                          microbatches: int | None = None, ep: int = 1, cp: int = 1,
-                         sequence_parallel: bool = False) -> list[Problem]:
+                         sequence_parallel: bool = False,
+                         reshard_after_forward: bool | dict[str, bool] | None = None,
+                         stage_layers: Sequence[int] | None = None) -> list[Problem]:
     """Every rule the layout's fields break together, as (rule, message) pairs; empty when it can run.
 
     ``stages_per_rank`` and ``microbatches`` default as ``lab.Parallel`` resolves them.
@@ -40,6 +43,7 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
     v = stages_per_rank if stages_per_rank is not None else default_stages_per_rank(schedule)
     m = microbatches if microbatches is not None else default_microbatches(schedule, pp, v)
     out = stage_problems(schedule, v) + microbatch_problems(schedule, pp, v, m)
+    out += stage_layers_problems(stage_layers, pp, pp * v)
     if fsdp_strategy is not None and zero != 0 and zero not in FSDP_STRATEGY_ZERO[fsdp_strategy]:
         out.append(("zero-fsdp-agree", f"zero={zero} disagrees with fsdp_strategy={fsdp_strategy!r} "
                     "(zero 2 is grad_op, zero 3 is full, hybrid is 2 or 3)"))
@@ -56,13 +60,13 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
         out.append(("cpu-offload", "cpu_offload uses FSDP2's CPUOffloadPolicy, which this lab applies with full "
                     f"sharding only (zero 3 or fsdp_strategy 'full'/'hybrid'); got zero={zero}, "
                     f"fsdp_strategy={fsdp_strategy!r}"))
-    if zero == 1 and tp > 1:
-        out.append(("zero1-dtensor", "zero=1 uses ZeroRedundancyOptimizer, which does not support DTensor "
-                    f"parameters, and tp={tp} makes them DTensors; use zero 2/3 (FSDP2) with TP"))
-    if pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES and stage == 3:
+    out += reshard_combination_problems(reshard_after_forward, zero, fsdp_strategy, stage)
+    resharding = stage in (2, 3) and any(reshard_units(stage, reshard_after_forward).values())
+    if pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES and resharding:
         # Measured on torch 2.13 (gloo, tiny GPT): the first step's gradient norm is 5% (dualpipev) to
         # 38% (zbv) below the one-process reference, with dp = 1 too; ZeRO-2 matches it to 1e-7.
-        out.append(("zero3-split-backward", f"zero 3 (FSDP2 resharding after forward) with schedule {schedule!r} "
+        out.append(("zero3-split-backward", f"zero 3 (FSDP2 resharding after forward; or reshard_after_forward "
+                    f"True for a unit) with schedule {schedule!r} "
                     "trains with wrong gradients on the ranks (they differ from the one-process reference); use "
                     "zero 2 (fsdp_strategy 'grad_op') or a schedule without split backward (gpipe, 1f1b, "
                     "interleaved_1f1b, looped_bfs)"))
@@ -73,6 +77,29 @@ def combination_problems(*, dp: int, tp: int, pp: int, zero: int = 0, fsdp_strat
         out.append(("loss-parallel-pp", f"loss_parallel needs pp == 1, got pp={pp}: a pipeline schedule computes "
                     "the loss inside its last stage, outside torch's loss_parallel() context"))
     return out
+
+
+def reshard_field_problems(value: object) -> list[Problem]:
+    """[reshard-after-forward]: None (each unit follows the ZeRO stage), a bool for every unit, or a dict from
+    unit names (``FSDP_UNITS``) to bools."""
+    units = value if isinstance(value, dict) else {}
+    if value is None or isinstance(value, bool) or (isinstance(value, dict) and set(units) <= set(FSDP_UNITS)
+                                                    and all(isinstance(v, bool) for v in units.values())):
+        return []
+    return [("reshard-after-forward", "reshard_after_forward must be None (from zero), True or False, or a dict "
+             f"from the FSDP units {', '.join(map(repr, FSDP_UNITS))} to True/False, e.g. "
+             f"{{'root': False, 'blocks': True}}; got {value!r}")]
+
+
+def reshard_combination_problems(value: object, zero: int, fsdp_strategy: str | None,
+                                 stage: int | None) -> list[Problem]:
+    """[reshard-fsdp]: reshard_after_forward says when FSDP2 frees each unit's gathered parameters, so it needs
+    sharding FSDP2 (ZeRO-2/3); ``stage`` None (zero and fsdp_strategy disagree) is [zero-fsdp-agree]'s."""
+    if value is None or stage is None or stage in (2, 3):
+        return []
+    return [("reshard-fsdp", f"reshard_after_forward={value!r} needs FSDP2 sharding (zero 2 or 3, or fsdp_strategy "
+             f"'grad_op', 'full' or 'hybrid'): it says when each fully_shard unit frees its gathered parameters; "
+             f"got zero={zero}, fsdp_strategy={fsdp_strategy!r}")]
 
 
 def expert_problems(ep: int, *, dp: int, tp: int, pp: int, cp: int, zero: int, fsdp_strategy: str | None,
@@ -147,15 +174,37 @@ def tp_split_problems(tp: int, sizes: Mapping[str, int | None], sequence_paralle
     return out
 
 
-def stage_split_problems(layers: int, num_stages: int) -> list[Problem]:
-    """[pp-layers]: the lab's GPT is cut into pipeline stages of equal depth, so layers divides by the stage count.
+def stage_layers_problems(stage_layers: object, pp: int, num_stages: int) -> list[Problem]:
+    """[stage-layers]: ``stage_layers`` is None (equal stages) or, for a pipeline, one block count >= 1 per stage,
+    pp * stages_per_rank of them in stage order (stage s holds the blocks after those of stages 0..s-1)."""
+    if stage_layers is None:
+        return []
+    counts = list(stage_layers) if isinstance(stage_layers, (list, tuple)) else None
+    if counts is None or not all(type(n) is int and n >= 1 for n in counts):
+        return [("stage-layers", f"stage_layers must be a list of ints >= 1, the blocks of each pipeline stage; "
+                 f"got {stage_layers!r}")]
+    if pp == 1:
+        return [("stage-layers", f"stage_layers={counts} splits a pipeline's blocks, but pp=1 runs no pipeline")]
+    if len(counts) != num_stages:
+        return [("stage-layers", f"stage_layers={counts} has {len(counts)} entries; it needs one per pipeline stage, "
+                 f"pp*stages_per_rank = {num_stages}")]
+    return []
 
-    (``layout_rules.layer_split`` can cut unevenly, as a Llama's dry run needs; the GPT's stages
-    stay equal, so each stage's cost, and the bubble, is what the theory assumes.)
+
+def stage_split_problems(layers: int, num_stages: int, stage_layers: Sequence[int] | None = None) -> list[Problem]:
+    """[pp-layers], [stage-layers-sum]: the stages' blocks add up to the model's layers.
+
+    Without ``stage_layers`` the stages are of equal depth, so layers divides by the stage count (each
+    stage's cost, and the bubble, is then what the theory assumes); with it, its counts sum to layers.
     """
+    if stage_layers is not None:
+        if sum(stage_layers) != layers:
+            return [("stage-layers-sum", f"stage_layers={list(stage_layers)} holds {sum(stage_layers)} blocks in "
+                     f"all, but the model has layers={layers}: the stages must hold every block once")]
+        return []
     if layers % num_stages:
         return [("pp-layers", f"layers={layers} must be divisible by the number of stages "
-                 f"pp*stages_per_rank = {num_stages}")]
+                 f"pp*stages_per_rank = {num_stages}, or stage_layers must give each stage's blocks")]
     return []
 
 

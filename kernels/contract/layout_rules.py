@@ -62,6 +62,9 @@ FSDP_STRATEGIES = ("full", "grad_op", "no_shard", "hybrid")
 # The ZeRO stages each FSDP strategy is: hybrid shards inside a group as ZeRO-2 or ZeRO-3 does.
 FSDP_STRATEGY_ZERO: dict[str, tuple[int, ...]] = {"no_shard": (0,), "grad_op": (2,), "full": (3,),
                                                   "hybrid": (2, 3)}
+# The fully_shard units, each with its own reshard_after_forward: the root (embeddings, final norm, head) and
+# every block (the blocks share one setting).
+FSDP_UNITS = ("root", "blocks")
 
 # Spellings people use for the schedules (torch's class names, dashes, short forms).
 _SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "schedule1f1b": "1f1b", "schedulegpipe": "gpipe",
@@ -121,13 +124,22 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> tup
     return tuple(pp_rank + k * pp for k in range(stages_per_rank))
 
 
-def layer_split(layers: int, num_stages: int, stage: int) -> range:
-    """The contiguous blocks of pipeline stage ``stage``: equal runs, the first ``layers % num_stages`` one longer.
+def layer_split(layers: int, num_stages: int, stage: int,
+                stage_layers: tuple[int, ...] | list[int] | None = None) -> range:
+    """The contiguous blocks of pipeline stage ``stage``: equal runs, the first ``layers % num_stages`` one longer;
+    or, given ``stage_layers`` (blocks per stage, in stage order), stage s holds the next ``stage_layers[s]``.
 
-    126 layers on 16 stages: stages 0-13 hold 8 blocks, stages 14-15 hold 7.
+    126 layers on 16 stages: stages 0-13 hold 8 blocks, stages 14-15 hold 7. 8 layers as
+    ``stage_layers=(3, 5)``: stage 0 holds blocks 0-2, stage 1 blocks 3-7.
     """
     if not 0 <= stage < num_stages or layers < num_stages:
         raise ValueError(f"stage {stage} of {num_stages} needs 0 <= stage < num_stages <= layers={layers}")
+    if stage_layers is not None:
+        if len(stage_layers) != num_stages or sum(stage_layers) != layers or min(stage_layers) < 1:
+            raise ValueError(f"stage_layers={list(stage_layers)} must give each of the {num_stages} stages at least "
+                             f"one block, {layers} in all")
+        start = sum(stage_layers[:stage])
+        return range(start, start + stage_layers[stage])
     per, extra = divmod(layers, num_stages)
     start = stage * per + min(stage, extra)
     return range(start, start + per + (1 if stage < extra else 0))
@@ -232,6 +244,18 @@ def zero_stage(zero: int, fsdp_strategy: str | None) -> int:
         raise ValueError(f"zero={zero} disagrees with fsdp_strategy={fsdp_strategy!r} "
                          "(zero 2 is grad_op, zero 3 is full, hybrid is 2 or 3)")
     return zero
+
+
+def reshard_units(zero: int, reshard_after_forward: bool | dict[str, bool] | None) -> dict[str, bool]:
+    """Per FSDP unit (``FSDP_UNITS``), whether it frees its gathered parameters after its forward.
+
+    ``reshard_after_forward``: a bool for every unit, a dict naming some units, or None; a unit it
+    does not name follows the ZeRO stage (3: True, freed and gathered again in backward; 2: False,
+    kept whole until backward ends).
+    """
+    value = reshard_after_forward
+    given = value if isinstance(value, dict) else {} if value is None else dict.fromkeys(FSDP_UNITS, value)
+    return {unit: given.get(unit, zero >= 3) for unit in FSDP_UNITS}
 
 
 def hsdp_split(dp: int, dp_replicate: int | None = None) -> tuple[int, int]:

@@ -177,6 +177,8 @@ class LayoutRecord(Record):
     hybrid: bool = False  # HSDP: sharded within dp_shard groups, replicated across dp_replicate
     params: dict[str, ParamLayout] = field(default_factory=dict)  # parameter name -> its layout here
     optimizer_params: tuple[str, ...] | None = None  # ZeRO-1: names whose optimizer state this rank owns
+    # ZeRO-1 with TP or PP (by slices): per name, the [start, end) of the flattened local shard whose state it holds.
+    optimizer_slices: dict[str, list[int]] | None = None
     dp_strategy: str = ""  # pipeline ranks: the data-parallel layout of each stage
     schedule: str = ""  # pipeline ranks: the schedule's name
     stage_ids: tuple[int, ...] = ()  # pipeline ranks: global stage indices held, in placement order

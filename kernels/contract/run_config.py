@@ -20,10 +20,11 @@ from typing import Any, ClassVar
 
 from kernels.contract import config_rules as rules
 from kernels.contract.data_spec import DataSpec, data_spec_problems
-from kernels.contract.faults import Fault
+from kernels.contract.faults import Fault, Poison
 from kernels.contract.model_rules import is_own_model, own_layout_problems, own_model_problems
 from kernels.contract.records import Record
 from kernels.contract.strategy import Strategy, resolve_strategy
+from kernels.contract.training_hygiene import LRSchedule, SpikeGuard, hygiene_problems
 
 # The switches: each must be True or False.
 # The flat options that make the layout: resolve_strategy's keywords.
@@ -49,6 +50,12 @@ class RunConfig(Record):
     seed: int = 0
     data_seed: int | None = None  # None: seed
     data: DataSpec = field(default_factory=DataSpec)  # the tokens (kernels.contract.data_spec); default: synthetic
+    # training hygiene (kernels.contract.training_hygiene): global-norm clipping, the lr's factor per step,
+    # the order of finite data (None: the data's own), and skipping the update of a step whose loss spikes
+    grad_clip: float | None = None
+    lr_schedule: LRSchedule | None = None
+    shuffle: bool | None = None
+    spike_guard: SpikeGuard | None = None
     # records and probes
     return_params: bool = True
     record_grad_norm: bool = True
@@ -66,14 +73,18 @@ class RunConfig(Record):
     # watching (kernels.watch.rank_watch): the collective log the driver reads, and faults on purpose (kernels.watch.faults)
     watch_collectives: bool = False
     faults: tuple[Fault, ...] = ()
+    poison: tuple[Poison, ...] = ()  # steps whose loss is poisoned, here and in the reference (lab.PoisonBatch)
 
-    _nested: ClassVar[dict[str, type[Record]]] = {"faults": Fault}
+    _nested: ClassVar[dict[str, type[Record]]] = {"faults": Fault, "poison": Poison}
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, Mapping):  # read back from JSON: the Strategy checks itself on the rank
             object.__setattr__(self, "strategy", Strategy.from_dict(self.strategy))
         if isinstance(self.data, Mapping):
             object.__setattr__(self, "data", DataSpec.from_dict(self.data))
+        for name, record in (("lr_schedule", LRSchedule), ("spike_guard", SpikeGuard)):
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, record.from_dict(getattr(self, name)))
         problems = run_problems(self)
         if problems:
             raise rules.ConfigError(problems)
@@ -84,6 +95,7 @@ class RunConfig(Record):
             object.__setattr__(self, "ranks_per_host", tuple(self.ranks_per_host))
         object.__setattr__(self, "model", dict(self.model))
         object.__setattr__(self, "faults", tuple(Fault.coerce(f) for f in self.faults))
+        object.__setattr__(self, "poison", tuple(Poison.coerce(p) for p in self.poison))
 
     @classmethod
     def from_options(cls, options: "RunConfig | Mapping[str, Any]") -> "RunConfig":
@@ -137,6 +149,8 @@ def run_problems(c: RunConfig) -> list[rules.Problem]:
     else:
         out += rules.model_problems(c.model)
     out += data_spec_problems(c.data)
+    out += hygiene_problems(c.grad_clip, c.lr_schedule, c.shuffle, c.data.kind, c.spike_guard) \
+        if isinstance(c.data, DataSpec) else []
     if c.data == DataSpec():  # the synthetic chain's own need; what other data needs is checked where it is read
         out += rules.data_problems(c.model.get("vocab") if isinstance(c.model, Mapping) else None)
     out += rules.seed_problems({"seed": c.seed}, {"data_seed": c.data_seed})

@@ -127,7 +127,8 @@ def build_shard(cfg: dict[str, Any]) -> tuple[Llama, dict[str, Any]]:
     dp_mesh = build_hsdp_mesh(dims, "cpu") if replicate else mesh["dp"]
     model = build_llama(LlamaConfig.from_dict(cfg["model"]), "meta", DTYPES[cfg.get("dtype", "bf16")])
     total = count_parameters(model)  # the whole model, before any cut: the shape-derived count
-    keep_layers(model, coords["pp"], dims.pp)  # PP: this rank's stage only
+    split = cfg.get("stage_layers")  # blocks per stage, or None: equal stages
+    keep_layers(model, coords["pp"], dims.pp, split)  # PP: this rank's stage only
     apply_tp(model, mesh["tp"])
     whole = local_shapes(model)  # after TP and PP, before FSDP: what ZeRO-2 holds whole
     t1 = time.perf_counter()
@@ -135,7 +136,7 @@ def build_shard(cfg: dict[str, Any]) -> tuple[Llama, dict[str, Any]]:
         apply_fsdp(model, dp_mesh, zero_stage=int(cfg["zero"]), hybrid=bool(replicate))
     shards = local_shapes(model)
     info = {"rank": dist.get_rank(), "world": dims.world_size, "coords": coords, "model_params": total,
-            "layers": _span(layout_rules.layer_split(model.config.layers, dims.pp, coords["pp"])),
+            "layers": _span(layout_rules.layer_split(model.config.layers, dims.pp, coords["pp"], split)),
             "shards": _group_rows(shards), "bytes": model_states(cfg, whole, shards),
             "build_s": t1 - t0, "fsdp_s": time.perf_counter() - t1, "device": "meta", "backend": "fake"}
     return model, info

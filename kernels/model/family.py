@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -103,18 +103,22 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
         return Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)
 
 
-def keep_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
-    """Cut ``model`` in place down to pipeline stage ``stage`` of ``num_stages`` equal stages.
+def keep_stage(model: nn.Module, stage: int, num_stages: int, stage_layers: Sequence[int] | None = None) -> nn.Module:
+    """Cut ``model`` in place down to pipeline stage ``stage`` of ``num_stages`` stages: equal ones, or
+    ``stage_layers[s]`` blocks on stage s (contiguous, in order).
 
     Stage 0 keeps the embeddings, the last stage the final norm and the head, and each its own
-    blocks under their names. ConfigError [pp-layers] when the blocks do not split evenly.
+    blocks under their names, so a stage's parameter names (and a checkpoint's keys) are the same
+    under any split. For the lab's GPT and Llama, ConfigError [pp-layers] when equal stages do not
+    divide the blocks, [stage-layers-sum] when ``stage_layers`` does not add up to them (a model the
+    user brought is cut by ``layout_rules.layer_split``, which raises ValueError for a bad split).
     """
     if isinstance(model, OwnModel):
-        return model.cut_stage(stage, num_stages)
-    problems = stage_split_problems(model.config.layers, num_stages)  # the rule lab.Parallel applies
+        return model.cut_stage(stage, num_stages, stage_layers)
+    problems = stage_split_problems(model.config.layers, num_stages, stage_layers)  # the rule lab.Parallel applies
     if problems:
         raise config_rules.ConfigError(problems)
-    return keep_layers(model, stage, num_stages)
+    return keep_layers(model, stage, num_stages, stage_layers)
 
 
 def model_loss(cfg: ModelConfig) -> Callable:

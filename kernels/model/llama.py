@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -243,15 +243,16 @@ def init_weights(model: Llama, seed: int) -> None:
                 p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 
 
-def keep_layers(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+def keep_layers(model: nn.Module, stage: int, num_stages: int, stage_layers: Sequence[int] | None = None) -> nn.Module:
     """Cut ``model`` (a Llama, or the GPT: both hold ``tok_emb``, ``pos_emb``, ``blocks``, ``norm`` and
     ``lm_head``) in place to one pipeline stage: its blocks under their names, plus the embeddings on
-    the first stage and the final norm and head on the last. The stages may be uneven (a dry run's).
+    the first stage and the final norm and head on the last. The stages may be uneven (a dry run's), or
+    hold the blocks ``stage_layers`` gives each (``layout_rules.layer_split``).
 
     A tied head on a last stage that is not also the first gets its own copy of the vocab
     matrix (as Megatron does; the two copies are all-reduced in backward).
     """
-    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage)}
+    keep = {str(i) for i in layout_rules.layer_split(model.config.layers, num_stages, stage, stage_layers)}
     for name in [n for n in model.blocks if n not in keep]:
         del model.blocks[name]
     last = stage == num_stages - 1

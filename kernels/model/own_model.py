@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import pickle
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -154,12 +154,13 @@ class OwnModel(nn.Module):
         finally:
             self.received[0] = None
 
-    def cut_stage(self, stage: int, num_stages: int) -> "OwnModel":
-        """Cut this model in place to pipeline stage ``stage`` of ``num_stages`` (module docstring)."""
+    def cut_stage(self, stage: int, num_stages: int, stage_layers: Sequence[int] | None = None) -> "OwnModel":
+        """Cut this model in place to pipeline stage ``stage`` of ``num_stages`` (module docstring); ``stage_layers``
+        gives each stage's block count (``layout_rules.layer_split``), else the stages are equal."""
         plan = self.spec["pp_plan"]
         container = self.get_submodule(plan["blocks"])
         names = list(container._modules)
-        keep = {names[i] for i in layout_rules.layer_split(len(names), num_stages, stage)}
+        keep = {names[i] for i in layout_rules.layer_split(len(names), num_stages, stage, stage_layers)}
         for name in names:
             if name not in keep:
                 del container._modules[name]  # the kept blocks keep their names; iteration skips the gap

@@ -5,6 +5,7 @@
 - ``activation_checkpoint``: per-block recomputation (``apply_ac``);
 - ``fsdp``: ZeRO-2/3 and HSDP with FSDP2 (``apply_fsdp``);
 - ``ddp``: torch DDP (``apply_ddp``); ``zero1``: ZeroRedundancyOptimizer (``build_zero1_optimizer``);
+  ``zero1_slices``: ZeRO-1 with TP or PP, a 1/dp slice of every local shard (``Zero1SliceOptimizer``);
 - ``expert_parallel``: each MoE layer's experts split over ep data-parallel ranks, tokens sent by
   all-to-all (``apply_ep``, ``ExpertGradSync``);
 - ``pipeline``: stages and torch's pipeline schedules (``build_pipeline``);

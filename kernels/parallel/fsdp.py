@@ -8,7 +8,10 @@ transformer block, plus the root for the embeddings, final norm and LM head):
 
 - forward: all_gather the unit's shards into whole parameters before its forward;
   ZeRO-3 (``reshard_after_forward=True``) frees them again after forward, ZeRO-2
-  (``False``) keeps them whole until backward;
+  (``False``) keeps them whole until backward. Each unit may choose for itself
+  (``reshard_after_forward={"root": False, "blocks": True}``): the root's forward spans
+  the whole model and its backward begins at once, so freeing it saves little memory and
+  costs one more all-gather of the embeddings and head per step;
 - backward: all_gather again if they were freed (ZeRO-3), then reduce_scatter the
   gradients so each rank keeps only its shard of the dp-averaged gradient; the
   optimizer then updates only local shards (sharded AdamW state).
@@ -31,6 +34,7 @@ Run alone (ZeRO-3 on 4 ranks, and 2D TP x FSDP)::
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,12 +44,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from kernels.contract.layout_rules import reshard_units
+
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hybrid: bool = False,
                mixed_precision: str | None = None, cpu_offload: bool = False, prefetch: bool = False,
-               ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+               ignored_params: set[nn.Parameter] | None = None,
+               reshard_after_forward: Mapping[str, bool] | bool | None = None) -> nn.Module:
     """Shard ``model`` with ``fully_shard``: every block first, then the root.
 
     ``dp_mesh``: the 1D dp sub-mesh, or for ``hybrid`` the 2D (dp_replicate, dp_shard)
@@ -53,15 +60,19 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hy
     whole from forward to backward, 3 frees them after each unit's forward. ``prefetch``
     (a whole model, not a pipeline stage) overlaps all-gathers with compute on a CPU mesh
     too (``_prefetch_on_cpu``). ``ignored_params`` stay as they are, unsharded and unreduced: expert
-    parallelism's DTensor experts (``kernels.parallel.expert_parallel``).
+    parallelism's DTensor experts (``kernels.parallel.expert_parallel``). ``reshard_after_forward``
+    per unit ({"root": ..., "blocks": ...}, ``layout_rules.reshard_units``; a unit left out, or None,
+    follows ``zero_stage``) is passed to each unit's ``fully_shard`` as given, never FSDP2's automatic
+    choice, so what a unit does is what the layout says.
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage!r}")
     if hybrid != (dp_mesh.ndim == 2):
         raise ValueError(f"apply_fsdp: hybrid={hybrid} needs a {'2D' if hybrid else '1D'} mesh, got {dp_mesh.ndim}D")
+    units = reshard_units(zero_stage, dict(reshard_after_forward) if isinstance(reshard_after_forward, Mapping)
+                          else reshard_after_forward)
     options: dict[str, Any] = {
         "mesh": dp_mesh,
-        "reshard_after_forward": zero_stage == 3,
         "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
         "ignored_params": ignored_params or None,
@@ -70,8 +81,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hy
     # one block is whole at a time under ZeRO-3 (plus the root's, gathered for the
     # embeddings at the start of forward and the LM head at the end).
     for block in model.blocks.values():
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+        fully_shard(block, reshard_after_forward=units["blocks"], **options)
+    fully_shard(model, reshard_after_forward=units["root"], **options)
     if _is_gloo(dp_mesh):
         # Every unit sums its reduce_scatter/all_reduce and divides afterwards (gloo AVG bug).
         for module in model.modules():
@@ -96,6 +107,12 @@ def _prefetch_on_cpu(model: nn.Module) -> None:
     model._set_unshard_async_op(True)  # every FSDP unit under the root
     for unit, following in zip([model, *blocks], blocks):
         unit.set_modules_to_forward_prefetch([following])
+
+
+def block_unit_names(model: nn.Module) -> list[str]:
+    """The names of the blocks ``apply_fsdp`` shards as units of their own; every other parameter is the root's."""
+    blocks = {id(block) for block in model.blocks.values()}
+    return [name for name, module in model.named_modules() if id(module) in blocks]
 
 
 def _is_gloo(mesh: DeviceMesh) -> bool:

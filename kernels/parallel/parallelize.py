@@ -22,7 +22,8 @@ DDP: Li et al., 2020). The order is fixed, and each step needs the one before:
 5. Data parallelism last: FSDP2's ``fully_shard`` shards whatever parameters it finds
    (plain tensors, or TP DTensors, giving 2D (dp, tp) DTensors) and its hooks
    surround the recompute; or DDP wraps the model (ZeRO-1 too: its optimizer comes
-   from ``kernels.parallel.zero1.build_zero1_optimizer``). Inside a pipeline the
+   from ``kernels.parallel.zero1.build_zero1_optimizer``; not ZeRO-1 with TP, whose DTensors DDP
+   cannot take: ``kernels.parallel.zero1_slices``). Inside a pipeline the
    loop averages gradients itself after the schedule, so no DDP wraps a stage.
 
 Run alone (TP 2 x FSDP 2, beside the one-process reference)::
@@ -68,7 +69,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, dp_mesh:
     if strategy.grad_sync is GradSync.FSDP:  # 5a. FSDP on the dp axis (2D with TP)
         apply_fsdp(model, dp_mesh if dp_mesh is not None else mesh["dp"], zero_stage=strategy.zero,
                    hybrid=strategy.hybrid, mixed_precision=strategy.mixed_precision, cpu_offload=strategy.cpu_offload,
-                   prefetch=strategy.pp == 1, ignored_params=set(experts.values()))
-    elif strategy.grad_sync in (GradSync.DDP, GradSync.ZERO1) and strategy.pp == 1 and strategy.data_ranks > 1:  # 5b
+                   prefetch=strategy.pp == 1, ignored_params=set(experts.values()),
+                   reshard_after_forward=strategy.reshard_units)
+    elif strategy.grad_sync in (GradSync.DDP, GradSync.ZERO1) and strategy.pp == 1 and strategy.data_ranks > 1 \
+            and not strategy.zero1_slices:  # 5b (ZeRO-1 with TP: no DDP, the step averages the gradients)
         model = apply_ddp(model, mesh["dp"], ignored=list(experts))
     return model

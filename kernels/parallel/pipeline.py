@@ -18,8 +18,11 @@ send/recv) in the order a schedule prescribes:
   that pairs forward and backward chunks.
 
 All of them come from ``torch.distributed.pipelining``; this module only decides
-the stage placement, cuts the model with ``kernels.model.gpt.keep_stage`` and scales
-the loss so the gradients equal the one-process reference.
+the stage placement, cuts the model with ``kernels.model.family.keep_stage`` and scales
+the loss so the gradients equal the one-process reference. Stages are of equal depth, or
+uneven as ``stage_layers`` gives (GPipe's ``balance``, Megatron's uneven first and last
+stages): a first stage that also embeds, or a last one that also projects onto the
+vocabulary and takes the loss, is given fewer blocks so that no stage holds up the rest.
 
 ``kernels.train.entry.train_rank`` composes it with DP, FSDP and TP on a (pp, dp, tp) mesh.
 To run it alone (two CPU ranks, losses checked against one process), go through that
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,6 +69,7 @@ class PipelineRuntime:
 
     schedule_name: str
     stage_ids: list[int]  # global stage indices this rank holds, in placement order
+    stage_layers: tuple[int, ...]  # blocks on every stage of the pipeline, in stage order (all ranks, not only this)
     modules: list[nn.Module]  # the local stage modules (after model_transform)
     stages: list[PipelineStage]
     schedule: Any  # a torch PipelineScheduleSingle or PipelineScheduleMulti
@@ -108,12 +112,13 @@ def build_pipeline(cfg: ModelConfig, schedule: str, pp_rank: int, pp_size: int,
                    stages_per_rank: int, microbatches: int, pp_group: dist.ProcessGroup | None,
                    device: torch.device | str, loss_fn: Callable, *,
                    model_transform: Callable[[nn.Module], nn.Module | None] | None = None,
-                   ) -> PipelineRuntime:
+                   stage_layers: Sequence[int] | None = None) -> PipelineRuntime:
     """Build this rank's stages of the seeded model (``kernels.model.family``) and the torch schedule that runs them.
 
     ``model_transform(module)`` is applied to each stage module before it is wrapped
     (the hook for TP/FSDP/DDP on a sub-mesh); it may change the module in place
-    (return None) or return a replacement.
+    (return None) or return a replacement. ``stage_layers``: blocks per stage (pp·v counts, in
+    stage order); None cuts equal stages.
     """
     schedule = layout_rules.canonical_schedule(schedule)
     check_schedule(schedule, pp_size, stages_per_rank, microbatches)
@@ -124,18 +129,20 @@ def build_pipeline(cfg: ModelConfig, schedule: str, pp_rank: int, pp_size: int,
     modules, stages = [], []
     for sid in stage_ids:
         # A deep copy per stage: keep_stage cuts in place, and each stage owns its tensors.
-        module = keep_stage(copy.deepcopy(full), sid, num_stages)
+        module = keep_stage(copy.deepcopy(full), sid, num_stages, stage_layers)
         scale_aux_gradient(module, 1 / microbatches)  # a MoE's balance-loss gradient, divided as the loss is
         if model_transform is not None:
             module = model_transform(module) or module
         modules.append(module)
         stages.append(PipelineStage(module, sid, num_stages, device, group=pp_group))
+    blocks = len(full.blocks)
     del full
     scaled_loss = MicrobatchMeanLoss(loss_fn, microbatches)
     single = schedule in layout_rules.SINGLE_STAGE_SCHEDULES
     sched = SCHEDULE_CLASSES[schedule](stages[0] if single else stages, n_microbatches=microbatches,
                                        loss_fn=scaled_loss, scale_grads=False)
-    return PipelineRuntime(schedule, stage_ids, modules, stages, sched, num_stages, microbatches,
+    split = tuple(len(layout_rules.layer_split(blocks, num_stages, s, stage_layers)) for s in range(num_stages))
+    return PipelineRuntime(schedule, stage_ids, split, modules, stages, sched, num_stages, microbatches,
                            device, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids)
 
 

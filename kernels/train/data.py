@@ -114,7 +114,9 @@ def dataset(run: RunConfig) -> GlobalBatches:
         if ids.numel() <= mcfg.seq_len:
             raise ConfigError([("data-length", f"{spec.describe()} holds {ids.numel()} tokens: a sequence needs "
                                 f"seq_len+1 = {mcfg.seq_len + 1}")])
-        data, top = TokenWindows(ids, mcfg.seq_len, seed=run.dataset_seed), int(ids.max())
+        # shuffle None is the finite data's default: a new permutation each epoch (DistributedSampler's)
+        data, top = TokenWindows(ids, mcfg.seq_len, seed=run.dataset_seed, shuffle=run.shuffle is not False), \
+            int(ids.max())
     if top >= mcfg.vocab or (spec.kind is not DataKind.TASK and int(data.tokens.min()) < 0):
         raise ConfigError([("data-vocab", f"{spec.describe()} uses token ids up to {top}, so the model's vocab "
                             f"must be at least {top + 1}, got {mcfg.vocab}")])

@@ -11,7 +11,8 @@ every rank) trains on the first world_size ranks only; the others join the mesh'
 creation and return an idle record.
 
 Records: losses and grad_norms (global, the same on every rank), step_times (this
-rank's), layout (coords, strategy, per-parameter global/local shapes and
+rank's), lrs (each step's learning rate) and spikes (the steps a spike guard skipped,
+``kernels.contract.training_hygiene.SpikeEvent`` dicts), layout (coords, strategy, per-parameter global/local shapes and
 placements; with pp also dp_strategy, schedule, stage_ids and stage_layers) and
 params (this rank's parameters gathered whole, by name: every parameter, or with pp
 its stages'); with measure, measure (``kernels.train.measured_run``'s record); with trace (pp
@@ -48,6 +49,7 @@ from kernels.train.run_checkpoints import RunCheckpoints, settle_ddp_buckets
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import StepHooks
 from kernels.train.train_loop import train_loop
+from kernels.train.update_rules import UpdateRules
 
 
 def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
@@ -62,9 +64,12 @@ def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
     probe, tracer = build.probes()
     if watch is not None:
         build.attach(watch)
-    losses, times, norms = _loop(build, StepHooks(run.steps - first, probe, tracer, build.ring_log), ckpt, watch)
+    update = build.update_rules()  # the spike guard, clipping and lr schedule, from the step the run starts at
+    update.seek(first)
+    hooks = StepHooks(run.steps - first, probe, tracer, build.ring_log)
+    losses, times, norms = _loop(build, hooks, ckpt, update, watch)
     out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),
-           **build.records(run.return_params)}
+           **build.records(run.return_params), **update.take()}
     if probe is not None:  # the measured record beside the layout it measured
         out["measure"] = build.measure_record(out["layout"], probe, losses[-1])
     if tracer is not None:
@@ -75,7 +80,8 @@ def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
     return out
 
 
-def _loop(build: RankBuild, hooks: StepHooks, ckpt: RunCheckpoints, watch: RankWatch | None = None):
+def _loop(build: RankBuild, hooks: StepHooks, ckpt: RunCheckpoints, update: UpdateRules,
+          watch: RankWatch | None = None):
     run = build.run
     batches = build.batches(ckpt.first_step, run.steps - ckpt.first_step)
     if ckpt.first_step:
@@ -88,7 +94,7 @@ def _loop(build: RankBuild, hooks: StepHooks, ckpt: RunCheckpoints, watch: RankW
     with progress or contextlib.nullcontext():
         out = train_loop(build.step_fn, build.optimizer, watched, dp=build.dims.data, dp_group=dp_group(build.mesh),
                          hooks=hooks, record_grad_norm=run.record_grad_norm,
-                         on_step=build.after_step(ckpt.first_step, ckpt.after_step), progress=progress)
+                         on_step=build.after_step(ckpt.first_step, ckpt.after_step), progress=progress, update=update)
     ckpt.close()  # an asynchronous save still in flight is named before the run returns
     return out
 
@@ -143,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--schedule", default="1f1b", help=f"pipeline schedule (pp > 1): {', '.join(layout_rules.SCHEDULES)}")
     p.add_argument("--stages-per-rank", type=int, help="pipeline stages per rank (default: the schedule's)")
+    p.add_argument("--stage-layers", type=int, nargs="+", help="blocks of each pipeline stage (default: equal)")
     p.add_argument("--dp-replicate", type=int, help="HSDP replica groups (default: kernels.contract.layout_rules.hsdp_split)")
     p.add_argument("--fsdp-strategy", choices=tuple(layout_rules.FSDP_STRATEGY_ZERO))
     p.add_argument("--mixed-precision", choices=("bf16",))

@@ -23,6 +23,7 @@ Run alone (4 ranks: 2 + 2 steps equal 4 steps of ``train_rank``)::
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from typing import Any
@@ -39,6 +40,7 @@ from kernels.contract.run_config import RunConfig
 from kernels.contract.strategy import resolve_strategy
 from kernels.train.step_hooks import StepHooks
 from kernels.train.train_loop import train_loop
+from kernels.watch.rank_watch import RankWatch
 
 
 class TrainingGoneError(RuntimeError):
@@ -59,13 +61,17 @@ class LiveTraining:
         # The saves advance() makes, as a one-call run makes them (with checkpoint_async, its saver's group is collective).
         self.checkpoints = RunCheckpoints(run, self.build.params_module, self.build.optimizer, self.build.strategy,
                                           ranks=list(range(size)), group=self.group)
+        # The spike guard, clipping and lr schedule, held between calls (kernels.train.update_rules).
+        self.update = None if self.idle else self.build.update_rules()
 
     def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
         """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.
 
         With the run's ``checkpoint_dir``, a checkpoint is saved after every global step that is
         a multiple of ``checkpoint_every`` and after the last step (``step_NNNNNN`` under it).
-        Measuring acts on the last step, as in an Experiment's run.
+        Measuring acts on the last step, as in an Experiment's run. Watched as ``train_rank`` watches
+        (``kernels.watch.rank_watch``), with steps counted from the start of training: a fault at step s
+        strikes in the call that trains global step s.
         """
         first, build = self.next_step, self.build
         if self.idle:  # keeps count, so that it stands at the right step if a later layout gives it a part
@@ -74,22 +80,36 @@ class LiveTraining:
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
         probe, tracer = build.probes()
         self.checkpoints.segment(first, first + steps, self.losses)
-        losses, times, norms = train_loop(build.step_fn, build.optimizer, build.batches(first, steps),
-                                          dp=build.dims.data, dp_group=dp_group(build.mesh),
-                                          hooks=StepHooks(steps, probe, tracer),
-                                          record_grad_norm=self.run.record_grad_norm,
-                                          on_step=build.after_step(first, self.checkpoints.after_step))
+        self.update.seek(first, self.losses)  # a new layout or a load: the schedule and the guard's window follow
+        batches, watch = build.batches(first, steps), self._watch()
+        with watch.patched() if watch is not None else contextlib.nullcontext():
+            if watch is not None:  # as train_rank watches: collectives published, faults struck at global steps
+                build.attach(watch)
+                batches = watch.batches(batches, first)
+            losses, times, norms = train_loop(build.step_fn, build.optimizer, batches,
+                                              dp=build.dims.data, dp_group=dp_group(build.mesh),
+                                              hooks=StepHooks(steps, probe, tracer),
+                                              record_grad_norm=self.run.record_grad_norm,
+                                              on_step=build.after_step(first, self.checkpoints.after_step),
+                                              update=self.update)
+            waits = [w.to_dict() for w in watch.finish()] if watch is not None else []
         self.next_step += steps
         self.losses += losses
         self.checkpoints.wait()  # the call returns once its checkpoints are complete, as a one-call run
-        out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first,
-               **build.records(return_params), **build.routing_records()}
+        out = {"losses": losses, "grad_norms": norms, "step_times": times, "first_step": first, "waits": waits,
+               **build.records(return_params), **build.routing_records(), **self.update.take()}
         if probe is not None:
             out["measure"] = build.measure_record(out["layout"], probe, losses[-1])
         if tracer is not None:
             out["trace"] = build.trace_record(tracer)
         return out
 
+    def _watch(self) -> RankWatch | None:
+        """The run's ``RankWatch`` when it asks to be watched or carries faults (as ``train_rank`` decides)."""
+        if not (self.run.watch_collectives or self.run.faults):
+            return None
+        synthetic = self.run.synthetic_forward_s if self.build.dims.pp == 1 else None  # with pp the tracer pads
+        return RankWatch([self.build.mesh, self.build.dp_mesh], self.run.faults, synthetic)
 
     def save(self, path: str, meta: dict[str, Any], *, optimizer_settings: bool = True) -> None:
         """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``), where the run stands."""
@@ -119,7 +139,7 @@ class LiveTraining:
         self.build.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
-        del self.build, self.group, self.checkpoints
+        del self.build, self.group, self.checkpoints, self.update
         gc.collect()
 
 

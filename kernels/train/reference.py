@@ -30,6 +30,8 @@ from kernels.model.family import build_model, model_config, model_loss
 from kernels.model.moe import scale_aux_gradient
 from kernels.model.moe_routing import RoutingLog
 from kernels.train.optimizer import build_optimizer
+from kernels.train.poisoned_loss import PoisonedLoss
+from kernels.train.update_rules import UpdateRules, torch_clip
 from kernels.parallel.autocast import apply_autocast
 from kernels.contract.run_config import RunConfig
 
@@ -38,17 +40,19 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     """Train on one process; returns losses and gradient norms per step, and the final parameters.
 
     ``{"losses": [float], "grad_norms": [float], "params": {name: fp32 tensor}, "first_step": int,
-    "routing": [RoutingStep dicts]}``: with experts, every step's routing per MoE layer (rank 0, ep 1;
-    ``kernels.model.moe_routing``), else [].
+    "routing": [RoutingStep dicts], "lrs": [float], "spikes": [SpikeEvent dicts]}``: with experts, every step's
+    routing per MoE layer (rank 0, ep 1; ``kernels.model.moe_routing``), else []; each step's lr, and the steps
+    a spike guard skipped (``kernels.train.update_rules``: guard, ``clip_grad_norm_``, step, schedule).
 
     ``run.strategy.microbatches`` > 1 accumulates gradients as the layouts do (it does not
     change the maths, only the summation order). ``run.resume_from`` starts from a
     checkpoint any layout saved (or a safetensors file), at its step: the one process
     reads the whole model and optimizer state.
     """
-    model, loss_fn = build_model(model_config(run)), model_loss(model_config(run))
+    model = build_model(model_config(run))
     optimizer = build_optimizer(model.parameters(), run)
     first = resume_point(run, model, optimizer)
+    loss_fn, update = _update_rules(run, model, optimizer, first)
     data = dataset(run)
     autocast = run.strategy.autocast
     if autocast:
@@ -60,6 +64,7 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
     losses, norms = [], []
     for step in range(first, run.steps):
         inputs, targets = data.global_batch(step, run.global_batch)  # (B, T) each
+        update.begin()
         compute = _bf16_copy(model) if fsdp_bf16 else model
         total = 0.0
         for x, y in zip(microbatches(inputs, n_micro), microbatches(targets, n_micro)):
@@ -72,13 +77,25 @@ def train_reference(run: RunConfig) -> dict[str, Any]:
         # A parameter the batch did not reach (an expert no token was routed to) has no gradient, as on the ranks.
         norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
                                                                  if p.grad is not None]))))
-        optimizer.step()
+        update.apply(total)  # guard, clip, optimizer step, schedule
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
         routing.end_step(step)
     routing.close()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "params": params, "first_step": first, "routing": routing.rows}
+    return {"losses": losses, "grad_norms": norms, "params": params, "first_step": first, "routing": routing.rows,
+            **update.take()}
+
+
+def _update_rules(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  first: int) -> tuple[Any, UpdateRules]:
+    """The run's loss (poisoned at ``lab.PoisonBatch``'s steps, as on the ranks) and its update rules from step
+    ``first``: the spike guard, ``clip_grad_norm_`` itself and the lr schedule (``kernels.train.update_rules``)."""
+    loss_fn = model_loss(model_config(run))
+    poison = PoisonedLoss(loss_fn, run.poison) if run.poison else None
+    update = UpdateRules(optimizer, run, torch_clip(list(model.parameters())), poison)
+    update.seek(first)
+    return poison or loss_fn, update
 
 
 def resume_point(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

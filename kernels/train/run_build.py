@@ -31,7 +31,7 @@ from kernels.model.moe_routing import RoutingLog
 from kernels.train.optimizer import build_optimizer, optimizer_class
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import unwrap
-from kernels.parallel.fsdp import describe_params, full_parameters
+from kernels.parallel.fsdp import block_unit_names, describe_params, full_parameters
 from kernels.parallel.context_parallel import RingLog
 from kernels.parallel.expert_parallel import ExpertGradSync, expert_parameters
 from kernels.parallel.mesh import (ParallelDims, build_cp_mesh, build_ep_mesh, build_hsdp_mesh, build_mesh,
@@ -41,7 +41,9 @@ from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import PipelineTracer
-from kernels.train.train_loop import FlatStep, PipelineStep
+from kernels.train.poisoned_loss import PoisonedLoss
+from kernels.train.train_loop import FlatStep, PipelineStep, average_gradients
+from kernels.train.update_rules import UpdateRules, clip_to_norm
 
 
 def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
@@ -59,8 +61,9 @@ def rank_optimizer(model: nn.Module, strategy: Strategy, mesh, run: RunConfig, d
     A CPU-offloaded FSDP2 model steps on CPU.
     """
     device_type = "cpu" if strategy.cpu_offload else device.type
-    if strategy.grad_sync is GradSync.ZERO1:
-        return build_zero1_optimizer(model, mesh["dp"], optimizer_class(run), **run.optimizer_kwargs(device_type))
+    if strategy.grad_sync is GradSync.ZERO1:  # ZeroRedundancyOptimizer, or with TP's DTensors the slice optimizer
+        return build_zero1_optimizer(model, mesh["dp"], optimizer_class(run), slices=strategy.zero1_slices,
+                                     **run.optimizer_kwargs(device_type))
     return build_optimizer(model.parameters(), run, device_type)
 
 
@@ -103,6 +106,9 @@ class RankBuild:
             if self.cp_mesh is not None and not self.idle else None
         self.model = self.pipe = self.params_module = self.optimizer = None  # an idle rank holds nothing
         self.routing: RoutingLog | None = None  # each MoE layer's routing per step (no layers: a dense model)
+        # lab.PoisonBatch: the loss the layout calls, poisoned at the run's chosen steps (kernels.train.poisoned_loss)
+        self.poison = PoisonedLoss(model_loss(model_config(run)), run.poison) if run.poison else None
+        self.loss = self.poison or model_loss(model_config(run))
         if not self.idle:
             self._build_pipeline() if self.dims.pp > 1 else self._build_flat()
             ep_rank = self.ep_mesh.get_local_rank("ep") if self.ep_mesh is not None else 0
@@ -120,8 +126,10 @@ class RankBuild:
             step_probe(self.model, self.optimizer, self.device)
         expert_sync = ExpertGradSync(expert_parameters(self.params_module), self.ep_mesh, self.dims.data) \
             if self.ep_mesh is not None else None
+        dp_average = functools.partial(average_gradients, self.params_module, dp_group(self.mesh)) \
+            if self.strategy.zero1_slices and self.dims.data > 1 else None  # no DDP there: the step averages
         self.step_fn = FlatStep(self.model, self.strategy.microbatches, self.strategy.loss_parallel, self.device,
-                                model_loss(model_config(self.run)), expert_sync)
+                                self.loss, expert_sync, dp_average)
 
     def _build_pipeline(self) -> None:
         run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
@@ -129,7 +137,8 @@ class RankBuild:
                                       cp_mesh=self.cp_mesh, ring_log=self.ring_log)  # each stage's attention a ring
         self.pipe = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
                                             strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
-                                            self.device, model_loss(model_config(run)), model_transform=transform)
+                                            self.device, self.loss, model_transform=transform,
+                                            stage_layers=strategy.stage_layers)
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.data > 1  # dp·cp ranks meet
@@ -166,18 +175,22 @@ class RankBuild:
         """The layout record and, when asked, the whole parameters (a collective for DTensors: all ranks or none)."""
         rank, strategy, dims = dist.get_rank(), self.strategy, self.dims
         if self.pipe:
-            pipe, layers = self.pipe, model_config(self.run).layers
+            pipe = self.pipe
             layout = {"rank": rank, "coords": dims.coords(rank), "strategy": f"pp-{pipe.schedule_name}",
                       "dp_strategy": strategy.kind, "zero": strategy.zero, "hybrid": strategy.hybrid,
                       "describe": strategy.describe(),
                       "schedule": pipe.schedule_name, "stage_ids": list(pipe.stage_ids),
-                      "stage_layers": {str(s): list(layout_rules.layer_split(layers, pipe.num_stages, s))
+                      "stage_layers": {str(s): list(layout_rules.layer_split(sum(pipe.stage_layers), pipe.num_stages,
+                                                                             s, pipe.stage_layers))
                                        for s in pipe.stage_ids},
                       "params": {k: v for module in pipe.modules for k, v in describe_params(module).items()}}
         else:
             layout = {"rank": rank, "coords": dims.coords(rank), "strategy": strategy.kind, "zero": strategy.zero,
                       "hybrid": strategy.hybrid, "describe": strategy.describe(), "params": describe_params(self.params_module)}
-        if strategy.grad_sync is GradSync.ZERO1:  # a stage list's names are "<index>.<parameter name>"
+        if strategy.zero1_slices:  # every rank holds a slice of every parameter's state: which one, per name
+            slices = self.optimizer.owned_slices(self.params_module)
+            layout["optimizer_slices"] = {n.split(".", 1)[1] if self.pipe else n: list(b) for n, b in slices.items()}
+        elif strategy.grad_sync is GradSync.ZERO1:  # a stage list's names are "<index>.<parameter name>"
             owned = owned_parameters(self.optimizer, self.params_module)
             layout["optimizer_params"] = [n.split(".", 1)[1] for n in owned] if self.pipe else owned
         params = {}
@@ -190,11 +203,22 @@ class RankBuild:
         """``kernels.train.measured_run``'s record of the probed step beside the layout it measured."""
         if not self.pipe:
             return measure_record(layout, self.dims, self.device, probe, loss=loss, optimizer=self.run.optimizer,
-                                  microbatches=self.strategy.microbatches, **self._activation_sizes())
+                                  microbatches=self.strategy.microbatches, **self._activation_sizes(),
+                                  **self._fsdp_units())
         return measure_record(layout, self.dims, self.device, probe, strategy=self.strategy.kind, loss=loss,
                               optimizer=self.run.optimizer,
                               num_stages=self.pipe.num_stages, microbatches=self.pipe.num_microbatches,
-                              tied_bytes=self.tied.payload_bytes if self.tied else 0, **self._activation_sizes())
+                              tied_bytes=self.tied.payload_bytes if self.tied else 0, **self._activation_sizes(),
+                              **self._fsdp_units())
+
+    def _fsdp_units(self) -> dict[str, Any]:
+        """Under FSDP2, what the memory and comm predictions need of its units: each unit's reshard_after_forward,
+        and the blocks' module names (a parameter under none of them is the root's)."""
+        if self.strategy.grad_sync is not GradSync.FSDP:
+            return {}
+        modules = self.pipe.modules if self.pipe else [self.params_module]
+        return {"reshard_after_forward": self.strategy.reshard_units,
+                "block_units": [name for module in modules for name in block_unit_names(module)]}
 
     def _activation_sizes(self) -> dict[str, Any]:
         """What ``kernels.contract.activation_rules`` needs to predict the measured activations by part: the model's sizes,
@@ -209,6 +233,15 @@ class RankBuild:
     def trace_record(self, tracer: PipelineTracer) -> dict[str, Any]:
         """The pipeline tracer's record of this rank's place in the mesh."""
         return tracer.record(pp_rank(self.mesh), dp_rank(self.mesh), self.dims.dp, self.dims.pp)
+
+    def update_rules(self) -> UpdateRules:
+        """The run's spike guard, clipping by the global norm and lr schedule around this rank's optimizer step
+        (``kernels.train.update_rules``); the caller places it at the run's step (``seek``) before training."""
+        def clip(max_norm: float) -> torch.Tensor:
+            norm = self.step_fn.grad_norm()  # the whole gradient's, over every shard, stage and mesh
+            clip_to_norm(self.params_module, norm, max_norm)
+            return norm
+        return UpdateRules(self.optimizer, self.run, clip, self.poison)
 
     def after_step(self, first: int, then: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
         """``train_loop``'s ``on_step`` for a segment that starts at step ``first``: close the step's routing records

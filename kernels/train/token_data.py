@@ -4,7 +4,8 @@
 (inputs are the first ``seq_len``, targets the last ``seq_len``) and visits them epoch
 by epoch, each epoch in the order of a permutation seeded by ``(seed, epoch)``: sample
 ``i`` of the run is window ``perm_e[i mod n]`` of epoch ``e = i // n``, as
-``DistributedSampler(shuffle=True, seed)`` with ``set_epoch(e)`` orders a dataset. Step ``s``
+``DistributedSampler(shuffle=True, seed)`` with ``set_epoch(e)`` orders a dataset (``shuffle=False``:
+every epoch in the file's order, as ``DistributedSampler(shuffle=False)``). Step ``s``
 takes samples ``s*B .. s*B+B-1``, so a global batch is a pure function of (seed, step):
 every rank and the one-process reference build the same one, and a run resumed at step
 ``k`` feeds batch ``k`` next, the next unseen one.
@@ -32,25 +33,32 @@ from kernels.contract.data_spec import DataKind, DataSpec
 class TokenWindows:
     """Next-token windows of a 1-D id stream; ``global_batch(step, B)`` is deterministic."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0) -> None:
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0, shuffle: bool = True) -> None:
+        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
         self.windows = (tokens.numel() - 1) // seq_len  # the last target of window w is token (w+1)*T
         if self.windows < 1:
             raise ValueError(f"{tokens.numel()} tokens hold no window of seq_len+1 = {seq_len + 1} tokens")
         self._orders: dict[int, torch.Tensor] = {}
 
-    def _order(self, epoch: int) -> torch.Tensor:
+    def order(self, epoch: int) -> torch.Tensor:
+        """The windows of ``epoch`` in the order it visits them: DistributedSampler's permutation for
+        ``set_epoch(epoch)`` (a generator seeded by seed + epoch), or 0..n-1 without shuffle."""
         if epoch not in self._orders:  # a step spans at most two epochs: keep the last few
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = torch.randperm(self.windows, generator=torch.Generator().manual_seed(self.seed + epoch))
+            self._orders[epoch] = torch.randperm(self.windows, generator=torch.Generator().manual_seed(
+                self.seed + epoch)) if self.shuffle else torch.arange(self.windows)
         return self._orders[epoch]
+
+    def epoch(self, step: int, batch_size: int) -> int:
+        """The epoch of step ``step``'s first sample (a step may end in the next one)."""
+        return step * batch_size // self.windows
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (B, T) int64, the same on every call."""
         T = self.seq_len
         rows = []
         for i in range(step * batch_size, (step + 1) * batch_size):
-            start = int(self._order(i // self.windows)[i % self.windows]) * T
+            start = int(self.order(i // self.windows)[i % self.windows]) * T
             rows.append(self.tokens[start:start + T + 1])
         seq = torch.stack(rows).long()  # (B, T+1)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

@@ -7,19 +7,23 @@ Each step runs the step function the strategy chose, then the optimizer:
 
 - ``FlatStep`` (pp == 1): the shard is split into micro-batches; gradients accumulate
   over them and meet over dp on the last one (DDP's bucketed all-reduce, FSDP2's
-  reduce-scatter, or nothing to do with TP alone); with expert parallelism the experts'
+  reduce-scatter, or nothing to do with TP alone); ZeRO-1 over TP's DTensors, which has no
+  DDP, averages them after it (``average_gradients``); with expert parallelism the experts'
   gradients meet after it (``kernels.parallel.expert_parallel.ExpertGradSync``);
 - ``PipelineStep`` (pp > 1): one schedule step over m micro-batches
   (``kernels.parallel.pipeline``), then, unless FSDP reduced them already, one
   all_reduce(SUM) per gradient over dp and a divide by dp (``average_gradients``),
   shard by shard for TP DTensors.
 
-The reported loss of a step is the global-batch mean: the replica's loss (with pp,
+Around the optimizer step, ``kernels.train.update_rules.UpdateRules`` applies the run's training
+hygiene: a spike guard that skips the update of a bad batch, clipping by the global norm, the lr
+schedule. The reported loss of a step is the global-batch mean: the replica's loss (with pp,
 sent from the last stage's rank over the pp group) all_reduced (SUM) over dp, / dp.
 The gradient norm is the whole gradient's, summed in squares over a pipeline's stages.
 Losses and norms stay on the device and step times are CUDA events on a GPU, all read
 once after the last step: the loop never waits for the device, so a GPU rank queues
-the next step while the current one runs, as a plain torch loop does.
+the next step while the current one runs, as a plain torch loop does (a spike guard reads each
+step's loss on the host before the update: with one, each step waits for its loss).
 Measuring (probes, the tracer) attaches through ``kernels.train.step_hooks.StepHooks``; live
 progress and stopping through ``kernels.watch.progress`` (one call per finished step).
 
@@ -47,16 +51,19 @@ from kernels.parallel.p2p_staging import needs_staging, staged_p2p
 from kernels.parallel.tensor_parallel import loss_context
 from kernels.parallel.tied_stages import TiedGrads
 from kernels.train.step_hooks import StepHooks
+from kernels.train.update_rules import UpdateRules
 
 
 class FlatStep:
     """pp == 1: forward and backward over the shard's micro-batches; returns the replica's loss (float32)."""
 
     def __init__(self, model: nn.Module, microbatches: int, loss_parallel: bool, device: torch.device,
-                 loss: Callable = loss_fn, expert_sync: Callable[[], None] | None = None) -> None:
+                 loss: Callable = loss_fn, expert_sync: Callable[[], None] | None = None,
+                 dp_average: Callable[[], None] | None = None) -> None:
         self.model, self.n_micro, self.loss_parallel, self.device = model, microbatches, loss_parallel, device
         self.loss = loss  # of (logits, targets): the model's own (kernels.model.family.model_loss)
         self.expert_sync = expert_sync  # expert parallelism: the experts' gradients, which DDP/FSDP leave alone
+        self.dp_average = dp_average  # ZeRO-1 over TP's DTensors: no DDP, so the gradients are averaged over dp here
         scale_aux_gradient(model, 1 / microbatches)  # a MoE's balance-loss gradient, divided as the loss is
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, hooks: StepHooks) -> torch.Tensor:
@@ -70,9 +77,10 @@ class FlatStep:
                 loss.backward()
             # Under loss_parallel the loss is a replicated DTensor: every tp rank holds the value.
             local += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
-        if self.expert_sync is not None:
-            with hooks.part("all_reduce"):  # a part of its own, so a measured step meters it
-                self.expert_sync()
+        for sync in (self.dp_average, self.expert_sync):
+            if sync is not None:
+                with hooks.part("all_reduce"):  # a part of its own, so a measured step meters it
+                    sync()
         return local
 
     def replica_loss(self, local: torch.Tensor) -> torch.Tensor:
@@ -118,9 +126,11 @@ class PipelineStep:
 def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream, *, dp: int,
                dp_group: dist.ProcessGroup, hooks: StepHooks,
                record_grad_norm: bool = True, on_step: Callable[[int, torch.Tensor], None] | None = None,
-               progress=None) -> tuple[list[float], list[float], list[float]]:
+               progress=None, update: UpdateRules | None = None) -> tuple[list[float], list[float], list[float]]:
     """Run one optimizer step per batch of ``batches``; returns (global mean losses, step seconds, grad norms).
 
+    ``update`` (``kernels.train.update_rules``) guards, clips and schedules each optimizer step (None: a
+    plain ``optimizer.step()``); a spike guard reads the global loss, so it is reduced before the update.
     ``on_step(step, loss)`` runs after each step, outside its clock (checkpoints). ``progress``
     (``kernels.watch.progress.ProgressReporter``) hears of each finished step and may end the run there.
     """
@@ -128,25 +138,41 @@ def train_loop(step_fn: FlatStep | PipelineStep, optimizer, batches: BatchStream
     for step, (inputs, targets) in enumerate(batches):  # (B/dp, T) each
         hooks.begin(step)  # tracing: clocks aligned, ranks met
         clock.start()
+        if update is not None:
+            update.begin()
+        norm = reduced = None
         with hooks.whole_step():
             loss = step_fn(inputs, targets, hooks)
-            with hooks.part("optimizer"):
-                optimizer.step()
+            if update is not None and update.needs_loss:
+                reduced = global_loss(step_fn, loss, dp, dp_group)
+            with hooks.part("optimizer"):  # clipping's norm and the guard are part of the update
+                if update is None:
+                    optimizer.step()
+                else:
+                    norm = update.apply(reduced)
         hooks.at_rest()
-        if record_grad_norm:  # step() leaves .grad alone; here it is outside the meter
-            norms.append(step_fn.grad_norm())
+        if record_grad_norm:  # step() leaves .grad alone; here it is outside the meter (clipping took it before)
+            norms.append(norm if norm is not None else step_fn.grad_norm())
         optimizer.zero_grad(set_to_none=not hooks.keeps_gradients)
         clock.stop()
-        # Reporting only: forward all_reduce(SUM) of the replicas' losses over dp, then / dp.
-        replica_loss = step_fn.replica_loss(loss).double()
-        dist.all_reduce(replica_loss, group=dp_group)
-        losses.append(replica_loss / dp)
+        losses.append(reduced if reduced is not None else global_loss(step_fn, loss, dp, dp_group))
         if on_step is not None:
             on_step(step, losses[-1])
         if progress is not None and progress.step_done(step, losses[-1], clock):
             break  # every rank agreed to stop at this step boundary
     return (torch.stack(losses).tolist() if losses else [], clock.seconds(),
             torch.stack(norms).tolist() if norms else [])
+
+
+def global_loss(step_fn: FlatStep | PipelineStep, loss: torch.Tensor | None, dp: int,
+                dp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The global-batch mean loss (float64): forward all_reduce(SUM) of the replicas' losses over dp, then / dp.
+
+    Every rank ends with the same value, so a spike guard judging it decides alike everywhere.
+    """
+    replica_loss = step_fn.replica_loss(loss).double()
+    dist.all_reduce(replica_loss, group=dp_group)
+    return replica_loss / dp
 
 
 class StepClock:

@@ -185,9 +185,10 @@ class RankWatch:
         return hook
 
     # ----------------------------------------------------------------- steps
-    def batches(self, stream: Any) -> "WatchedBatches":
-        """``stream`` with a step boundary logged at each batch drawn."""
-        return WatchedBatches(stream, self)
+    def batches(self, stream: Any, first: int = 0) -> "WatchedBatches":
+        """``stream`` with a step boundary logged at each batch drawn, the first one step ``first``
+        (a held training's call goes on from where the last stopped, and its step faults name global steps)."""
+        return WatchedBatches(stream, self, first)
 
     def begin_step(self, step: int) -> None:
         self._micro = {}
@@ -201,11 +202,11 @@ class RankWatch:
 class WatchedBatches:
     """A batch stream whose every batch starts a logged step (the training loop needs only iteration and ``device``)."""
 
-    def __init__(self, stream: Any, watch: RankWatch) -> None:
-        self.stream, self.watch, self.device = stream, watch, stream.device
+    def __init__(self, stream: Any, watch: RankWatch, first: int = 0) -> None:
+        self.stream, self.watch, self.device, self.first = stream, watch, stream.device, first
 
     def __iter__(self) -> Iterator[Any]:
-        for step, batch in enumerate(self.stream):
+        for step, batch in enumerate(self.stream, start=self.first):
             self.watch.begin_step(step)
             yield batch
 

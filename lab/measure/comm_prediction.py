@@ -2,8 +2,10 @@
 
 Communication volume (docs/design.md#communication-volume), as payload bytes per step: DDP all-reduce = the
 gradient bytes (DDP all-reduces flat buckets of all gradients); ZeRO-1 adds one broadcast of every
-parameter from its owner; FSDP all-gathers the padded parameters once in forward and again in backward
-under ZeRO-3, and reduce-scatters the padded gradients once; a head tied to the embedding under a
+parameter from its owner (with TP or PP, one all-gather of every local shard's padded slices instead); FSDP all-gathers the padded parameters once in forward and again in backward
+for every unit that resharded after forward (all of them under ZeRO-3, or as ``reshard_after_forward``
+says per unit), and reduce-scatters the padded gradients once (HSDP then all-reduces each reduced shard over
+the replicas); a head tied to the embedding under a
 pipeline adds one all-reduce of its gradient over the pipeline group. TP and PP traffic come from the
 planner's exact per-stage account (``lab.plan(...).stages[pp_rank].comm``) for the models the planner
 sizes: the lab's GPT and Llama, and Hugging Face configs of the types it counts (``planned_model``); a
@@ -20,7 +22,8 @@ from kernels.contract.run_config import RunConfig
 from kernels.model.family import LLAMA, model_config
 from kernels.model.own_model import hf_config
 from lab.measure import host_traffic
-from lab.measure.param_shards import optimizer_name, param_table, shard_group, zero_stage
+from lab.measure.param_shards import (optimizer_name, padded_rows, param_table, reshards_after_forward, shard_group,
+                                      zero1_slices, zero_stage)
 from lab.planning.plan_math import busbw_factor
 from lab.planning.plan_own_models import COUNTED_TYPES
 from lab.planning.planner import plan
@@ -46,14 +49,21 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
         out["all_reduce"] = grads  # FSDP2 replicating only (TP with dp > 1, no ZeRO): one gradient all-reduce
     if record.get("tied_bytes"):  # a head tied to the embedding: its two copies' gradients summed over the pipeline
         out["all_reduce"] = out.get("all_reduce", 0.0) + record["tied_bytes"]
-    if zero == 1:
+    if zero == 1 and zero1_slices(record):  # every local shard's slices gathered, each padded to ceil(n/dp)
+        out["all_gather"] = sum(padded_rows(p["whole"], record["dims"]["dp"]) * record["dims"]["dp"] * p["elem"]
+                                for p in dense)
+    elif zero == 1:
         out["broadcast"] = grads  # every parameter, from its owner, after the step
     if record["strategy"] == "fsdp":
-        padded = sum(p["padded"] * p["elem"] for p in dense) * shard_group(record)
+        n = shard_group(record)
         # Without pp, gradient accumulation gathers again for every micro-batch (and reduce-scatters once).
         m = int(record.get("microbatches", 1)) if record["dims"]["pp"] == 1 else 1
-        out["all_gather"] = padded * (2 if zero == 3 else 1) * m  # forward, and backward under ZeRO-3
-        out["reduce_scatter"] = padded
+        # Forward, and backward again for a unit that resharded after forward.
+        out["all_gather"] = sum(p["padded"] * p["elem"] * n * (2 if reshards_after_forward(record, p) else 1)
+                                for p in dense) * m
+        out["reduce_scatter"] = sum(p["padded"] * p["elem"] for p in dense) * n
+        if record.get("hybrid") and 1 < n < record["dims"]["dp"]:  # HSDP: each reduced shard summed over replicas
+            out["all_reduce"] = out.get("all_reduce", 0.0) + out["reduce_scatter"] / n
     for e in stage.comm if stage is not None else []:
         if e.axis in ("tp", "pp", "ep", "cp"):
             # pp's stage sends, cp's ring sends and receives (each send has its receive), ep's all-to-alls

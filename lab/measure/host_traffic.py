@@ -12,7 +12,11 @@ receiving rank is on another host, *intra-host* otherwise.
   (``lab.planning.plan_mesh.axis_groups``) and the planner's
   payloads (``lab.measure.comm_prediction.predicted_comm``), with pipeline sends split into the
   forward ones (to the next stage) and backward ones (to the one before), on the same
-  rank → host map (``planned_inter``).
+  rank → host map (``planned_inter``). Under HSDP the data axis is two sets of rings
+  (``lab.planning.plan_mesh.hybrid_groups``): FSDP's all-gathers and reduce-scatters run in
+  the shard groups (dp_shard consecutive data ranks), the all-reduce of each reduced shard in the
+  replicate groups (the ranks holding the same shard) — with shard groups inside a host, only
+  that all-reduce crosses, which is the saving HYBRID_SHARD exists for.
 
 Pure Python; no torch.
 """
@@ -22,7 +26,7 @@ from typing import Any, Sequence
 
 from kernels.contract.layout_rules import MESH_AXES
 from lab.planning.plan_math import busbw_factor
-from lab.planning.plan_mesh import axis_groups
+from lab.planning.plan_mesh import Layout, axis_groups, hybrid_groups
 
 P2P = ("send", "recv")
 
@@ -54,20 +58,32 @@ def planned_inter(row: dict[str, Any], record: dict[str, Any], predicted: float 
 
     ``predicted`` is the planner's payload for the row (``lab.measure.comm_prediction._predicted``);
     ``pp_sends`` its forward and backward stage-boundary payloads ({"fwd": .., "bwd": ..}).
-    None where the planner gives no payload, for receives (their bytes are the peer's
-    sends) and under HSDP with shards of more than one rank (its 2D dp sub-mesh is not one ring).
+    None where the planner gives no payload, and for receives (their bytes are the peer's sends).
     """
     rank, dims = record["rank"], record["dims"]
-    replicate_only = record["dims"].get("dp_replicate") == dims["dp"]  # HSDP of shards of 1: a plain dp ring
-    if predicted is None or row["op"] == "recv" or (record.get("hybrid") and not replicate_only):
+    if predicted is None or row["op"] == "recv":
         return None
     if row["op"] == "send":
         ahead, back = neighbour(dims, "pp", rank, 1, order), neighbour(dims, "pp", rank, -1, order)
         return (pp_sends.get("fwd", 0.0) * (hosts[ahead] != hosts[rank])
                 + pp_sends.get("bwd", 0.0) * (hosts[back] != hosts[rank]))
-    axis = "tp" if row["source"] == "funcol" else "dp"
-    crosses = hosts[neighbour(dims, axis, rank, 1, order)] != hosts[rank]
-    return predicted * wire_factor(row["op"], row["group_size"]) * crosses
+    if row["source"] == "funcol":
+        ahead = neighbour(dims, "tp", rank, 1, order)
+    elif record.get("hybrid"):
+        ahead = hsdp_neighbour(dims, row["op"], rank, order)
+    else:
+        ahead = neighbour(dims, "dp", rank, 1, order)
+    return predicted * wire_factor(row["op"], row["group_size"]) * (hosts[ahead] != hosts[rank])
+
+
+def hsdp_neighbour(dims: dict[str, int], op: str, rank: int, order: Sequence[str] = MESH_AXES) -> int:
+    """The next rank of ``rank``'s HSDP ring for ``op``: its replicate group for the all-reduce, its shard group for
+    FSDP's all-gathers and reduce-scatters (module docstring)."""
+    lay = Layout(dp=dims["dp"], tp=dims["tp"], pp=dims["pp"], cp=dims.get("cp", 1), fsdp_strategy="hybrid",
+                 dp_replicate=dims["dp_replicate"], mesh_order=tuple(order))
+    shard, replicate = hybrid_groups(lay)
+    group = next(g for g in (replicate if op == "all_reduce" else shard) if rank in g)
+    return group[(group.index(rank) + 1) % len(group)]
 
 
 def inter_host_total(records: Sequence[Any], field: str = "inter_bytes") -> float:

@@ -15,10 +15,15 @@ measured value:
   * FSDP2 shards dim 0 like ``torch.chunk``: rank r holds rows
     [r·c, min((r+1)·c, d)) with c = ceil(d/N) (possibly none); its storage is padded to
     c rows, and the all-gather/reduce-scatter payload is the padded N·c rows;
+  * between forward and backward each FSDP2 unit (the root, each block) holds its
+    parameters whole unless it reshards after forward (ZeRO-3, or its own
+    ``reshard_after_forward``), in which case it holds its shard;
   * ZeroRedundancyOptimizer does not split tensors: it sorts whole parameters by size
     (largest first) and gives each to the rank with the smallest total so far
     (``zero1_partition``), so a rank holds near, not exactly, Ψ/N of the state
     (3.5% over on rank 0 for the tiny GPT; the model-state total stays within 1%);
+    ZeRO-1 with TP or PP (``kernels.parallel.zero1_slices``) splits every flattened local shard
+    instead, ceil(n/N) elements per rank (``slice_elements``): exactly Ψ/N of the state when N divides n;
   * AdamW keeps one fp32 ``step`` scalar per parameter tensor (4 bytes each), which
     the formula leaves out (148 bytes for the tiny GPT's 37 tensors, <0.1%).
 
@@ -34,7 +39,8 @@ from kernels.contract import activation_rules
 from kernels.train.entry import measure_rank
 from kernels.contract.measure_records import MemoryRecord
 from lab.measure.comm_prediction import comm_records
-from lab.measure.param_shards import optimizer_name, param_table, shard_group, zero_stage
+from lab.measure.param_shards import (optimizer_name, param_table, reshards_after_forward, shard_group, slice_elements,
+                                      zero1_slices, zero_stage)
 from lab.planning.plan_math import optimizer_bytes, zero_memory
 
 # Optimizer state per tensor beside the K bytes per element (plan_math.optimizer_bytes): AdamW's fp32 step scalar.
@@ -67,20 +73,22 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The exact rule per moment and category (bytes), from the layout alone."""
     table, stage, dp = param_table(record), zero_stage(record), record["dims"]["dp"]
     rest_params = sum(p["local"] * p["elem"] for p in table)
-    whole_params = sum(p["whole"] * p["elem"] for p in table)
-    if stage == 1:
-        mine = zero1_partition([p["whole"] for p in table], dp)[record["coords"]["dp"]]
-        owned = [table[i] for i in mine]
-    else:
-        owned = table
     name = optimizer_name(record)
     k, step_bytes = _k(name), STEP_BYTES[name]
-    opt = sum(p["local"] * k + step_bytes for p in owned)
-    peak_params = whole_params if stage == 2 else rest_params
-    # ZeRO-2 with gradient accumulation (no pp): FSDP2 keeps the earlier micro-batches' gradients
-    # unsharded (whole) until the last one reduce-scatters them, beside the sharded buffers.
-    accumulating = stage == 2 and record["dims"]["pp"] == 1 and int(record.get("microbatches", 1)) > 1
-    peak_grads = rest_params + (whole_params if accumulating else 0)
+    if stage == 1 and zero1_slices(record):  # ZeRO-1 with TP or PP: a 1/dp slice of every local shard
+        opt = sum(slice_elements(record, p) * k + step_bytes for p in table)
+    else:
+        owned = [table[i] for i in zero1_partition([p["whole"] for p in table], dp)[record["coords"]["dp"]]] \
+            if stage == 1 else table
+        opt = sum(p["local"] * k + step_bytes for p in owned)
+    # Between forward and backward an FSDP2 unit that does not reshard after forward (all of ZeRO-2's, or those
+    # reshard_after_forward names False) holds its parameters whole; the others hold their shards.
+    kept = [p for p in table if stage in (2, 3) and not reshards_after_forward(record, p)]
+    peak_params = rest_params + sum((p["whole"] - p["local"]) * p["elem"] for p in kept)
+    # Gradient accumulation (no pp): a kept unit's earlier micro-batches' gradients stay unsharded (whole)
+    # until the last one reduce-scatters them, beside the sharded buffers.
+    accumulating = record["dims"]["pp"] == 1 and int(record.get("microbatches", 1)) > 1
+    peak_grads = rest_params + (sum(p["whole"] * p["elem"] for p in kept) if accumulating else 0)
     return {"at_rest": {"params": rest_params, "grads": rest_params, "optimizer": opt},
             "peak_fwd_bwd": {"params": peak_params, "grads": peak_grads, "optimizer": opt}}
 
@@ -101,10 +109,16 @@ def _memory_note(record: dict[str, Any], category: str) -> str:
     notes = []
     if category == "optimizer" and optimizer_name(record) == "adamw":
         notes.append("includes AdamW's 4-byte step scalar per tensor (not in the formula)")
-        if record["strategy"] == "zero1":
+        if record["strategy"] == "zero1" and zero1_slices(record):
+            notes.append("ZeRO-1 by slices: ceil(n/N) elements of every local shard per rank (exactly Ψ/N "
+                         "when N divides each)")
+        elif record["strategy"] == "zero1":
             notes.append("ZeroRedundancyOptimizer partitions whole tensors greedily (not exactly Ψ/N)")
     if record["strategy"] == "fsdp" and category in ("params", "grads"):
         notes.append("FSDP2 dim-0 chunk rule: ceil(d/N) rows per rank, the last ranks fewer")
+        if len(set(record.get("reshard_after_forward", {}).values())) > 1:
+            notes.append("reshard_after_forward per unit: the whole-parameter units between forward and backward "
+                         "are predicted; the formula is the stage's")
     if record["dims"]["tp"] > 1:
         notes.append("TP: norms and row-parallel biases replicated; sharded embeddings get whole grads")
     return "; ".join(notes)

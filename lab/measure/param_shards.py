@@ -4,6 +4,9 @@ The rules the layouts follow: tensor parallelism splits a ``Shard(k)`` placement
 rule); FSDP2 then shards dim 0 over its shard group like ``torch.chunk``, rank r holding rows
 [r·c, min((r+1)·c, d)) with c = ceil(d/N), its storage padded to c rows. The shard group is all of
 dp, HSDP's dp_shard, or no one when FSDP2 only replicates (TP x DP without ZeRO, held as DDP holds).
+ZeRO-1 with TP or PP splits each flattened local shard by the same chunk rule (``slice_elements``).
+Each parameter belongs to one ``fully_shard`` unit, a block or the root, and frees its gathered copy after
+forward as that unit's ``reshard_after_forward`` says (``reshards_after_forward``).
 ``lab.measure.memory_and_comm`` (memory) and ``lab.measure.comm_prediction`` (collectives) both
 predict from this table.
 """
@@ -47,6 +50,7 @@ def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
     # FSDP2 shards over a shard group: all of dp, HSDP's dp_shard, or no one (replicating only, as TP x DP ZeRO-0).
     n, ep = shard_group(record), dims.get("ep", 1)
     split = {"tp": (dims["tp"], coords["tp"]), "ep": (ep, coords["dp"] % ep)}  # an ep group: ep dp-neighbours
+    blocks = tuple(f"{name}." for name in record.get("block_units", ()))
     out = []
     for name, info in record["params"].items():
         shape = _local_shape(info, split)
@@ -57,8 +61,33 @@ def param_table(record: dict[str, Any]) -> list[dict[str, Any]]:
         local = shard_rows(d0, n, coords["dp"] % n) * rest if fsdp and not expert else whole
         padded = padded_rows(d0, n) * rest if fsdp and not expert else whole
         out.append({"name": name, "elem": dtype_bytes(_DTYPE_NAMES.get(info["dtype"], "fp32")), "whole": whole,
-                    "local": local, "padded": padded, "expert": expert})
+                    "local": local, "padded": padded, "expert": expert,
+                    "unit": "blocks" if name.startswith(blocks) else "root"})
     return out
+
+
+def reshards_after_forward(record: dict[str, Any], param: dict[str, Any]) -> bool:
+    """Whether FSDP2 frees ``param``'s gathered copy after its unit's forward (and gathers it again in backward):
+    its unit's ``reshard_after_forward``; records made before units could differ say it by the stage alone.
+    Never without sharding (no FSDP2, or FSDP2 only replicating: nothing to free)."""
+    units = record.get("reshard_after_forward")
+    if zero_stage(record) < 2:
+        return False
+    return int(record["zero"]) >= 3 if units is None else bool(units[param["unit"]])
+
+
+def zero1_slices(record: dict[str, Any]) -> bool:
+    """ZeRO-1 with TP or PP (``kernels.parallel.zero1_slices``): each dp rank holds the optimizer state of a
+    slice of every local shard, not of whole tensors (ZeroRedundancyOptimizer's); the rank's record says which."""
+    return record.get("optimizer_slices") is not None
+
+
+def slice_elements(record: dict[str, Any], param: dict[str, Any]) -> int:
+    """Elements of ``param``'s flattened local shard (``whole``) in this rank's ZeRO-1 slice: chunks of ceil(n/dp)
+    over the data axis (dp·cp ranks), the torch.chunk rule ``shard_rows`` counts."""
+    dims, coords = record["dims"], record["coords"]
+    data_rank = coords["dp"] * dims.get("cp", 1) + coords.get("cp", 0)
+    return shard_rows(param["whole"], dims["dp"], data_rank)
 
 
 def optimizer_name(record: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ Pure functions of records (no torch, no ranks), so a saved run replays the same.
 - ``simulate``: when each action starts if it waits only for its rank and its data
   (zero-latency p2p, ``kernels.contract.schedule_simulation``), giving the planned timeline and its bubble.
 - ``to_chrome_trace``: Chrome/Perfetto JSON ("X" events, microseconds), one track per rank.
+- ``stage_compute``: each stage's compute seconds in the traced step, which shows uneven stages.
 """
 from __future__ import annotations
 
@@ -122,6 +123,20 @@ def planned_orders(records: Any) -> list[list[list]]:
             acts = rec.get("planned") or []
         out.append([list(a) for a in acts])
     return out
+
+
+def stage_compute(events: Iterable[Any], *, step: int | None = None) -> dict[int, float]:
+    """Seconds each pipeline stage computed (F, B, I, W) in one traced step (the last by default), per replica:
+    a stage that several dp or tp ranks hold counts their mean. Uneven stages, or a heavy head, show here as
+    one stage's compute above the others' (``lab.planning.stage_balance.measured_costs`` fits costs to it)."""
+    chosen, _ = _one_step(events_from(events), step)
+    busy: dict[int, float] = {}
+    ranks: dict[int, set[int]] = {}
+    for e in chosen:
+        if e.kind in COMPUTE_KINDS:
+            busy[e.stage] = busy.get(e.stage, 0.0) + e.duration
+            ranks.setdefault(e.stage, set()).add(e.rank)
+    return {stage: busy[stage] / len(ranks[stage]) for stage in sorted(busy)}
 
 
 def measured_order(events: Iterable[Any], rank: int, *, step: int | None = None) -> list[Action]:

@@ -38,7 +38,7 @@ from lab.planning.plan_mesh import Layout, layout_from
 from lab.planning.plan_models import ModelSpec, get_model
 from lab.planning.planner import Plan, plan
 
-_ROOT = Path(__file__).resolve().parents[1]  # the directory holding lab/ and kernels/
+_ROOT = Path(__file__).resolve().parents[2]  # the directory holding lab/ and kernels/
 _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "gated_mlp",
                "tied_embeddings", "learned_pos", "bias")
 
@@ -203,7 +203,9 @@ def _rank_config(spec: ModelSpec, lay: Layout, rank: int, dtype: str, k: float) 
     hybrid = lay.fsdp_strategy == "hybrid"
     return {"model": {key: getattr(spec, key) for key in _MODEL_KEYS}, "dp": lay.dp, "tp": lay.tp,
             "pp": lay.pp, "zero": lay.zero, "rank": int(rank), "dtype": dtype, "optimizer_bytes_per_param": k,
-            "dp_replicate": lay.dp_replicate if hybrid else None}
+            "dp_replicate": lay.dp_replicate if hybrid else None,
+            # the dry run cuts one stage per pp rank, as GPipe/1F1B place them
+            "stage_layers": list(lay.stage_layers) if lay.stage_layers and lay.stages_per_rank == 1 else None}
 
 
 def run_rank_subprocess(cfg: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

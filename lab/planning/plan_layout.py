@@ -23,7 +23,6 @@ Pure Python; no torch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -34,25 +33,15 @@ from kernels.contract.layout_rules import bubble_theory, default_microbatches
 from lab.planning import plan_render
 from lab.planning.plan_check import PlanCheck
 from lab.planning.plan_comm import CommEntry, Work, all_entries
-from lab.planning.plan_latency import DEFAULT_ALPHA_US, collective_steps
-from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes, required_bandwidth
+from lab.planning.plan_latency import DEFAULT_ALPHA_US
+from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes
 from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from
 from lab.planning.plan_models import ModelSpec, get_model
 from lab.planning.plan_moe import dispatched_tokens
 from lab.planning.plan_stages import MemoryBreakdown, StagePlan, stage_plans
-
-
-@dataclass(frozen=True)
-class LinkLoad:
-    """One link's share of an iteration: bytes one rank sends, time, and bandwidth needed."""
-
-    link: str  # "intra" or "inter"
-    bandwidth_gbps: float  # the link's bandwidth in GB/s (1e9 bytes/s) as given to plan()
-    wire_bytes: float
-    time_s: float  # latency_s + wire_bytes / bandwidth, with no overlap
-    needed_gbps: float  # GB/s to move wire_bytes within the target iteration time
-    alpha_us: float = 0.0  # the link's latency per ring step as given to plan(), microseconds
-    latency_s: float = 0.0  # α × the ring steps of every call on the link (docs/design.md#collective-latency)
+from lab.planning.stage_balance import StageBalance, plan_balance, plan_balance_notes
+from lab.planning.plan_time import (DEFAULT_GPU_TFLOPS, DEFAULT_MFU, LinkLoad, StepTime, bandwidth_warnings,
+                                    link_loads, step_time)
 
 
 @dataclass(frozen=True, repr=False)
@@ -81,6 +70,8 @@ class Plan(plan_render.Rendered):
     notes: tuple[str, ...] = ()
     stages: tuple[StagePlan, ...] = ()  # one per pipeline rank
     measured: PlanCheck | None = None  # lab.plan(..., measure_on=cluster): a scaled copy measured on the pool
+    step: StepTime | None = None  # the estimated iteration: compute, bubble and each link (plan_time)
+    stage_balance: StageBalance | None = None  # pp > 1: the stage_layers that balance stage compute (stage_balance)
 
     @property
     def fits(self) -> bool:
@@ -112,6 +103,7 @@ class Plan(plan_render.Rendered):
         for stage, data in zip(self.stages, out["stages"]):
             data["memory"] = stage.memory.to_dict()
         out["fits"] = self.fits
+        out["step"] = self.step.to_dict() if self.step is not None else None
         return out
 
     render_text = plan_render.text
@@ -126,7 +118,7 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                 microbatches: int | None = None, target_iter_s: float = 1.0,
                 activations_gb: float | None = None, intra_alpha_us: float = DEFAULT_ALPHA_US["intra"],
                 inter_alpha_us: float = DEFAULT_ALPHA_US["inter"], ep: int | None = None,
-                cp: int | None = None) -> Plan:
+                cp: int | None = None, gpu_tflops: float = DEFAULT_GPU_TFLOPS, mfu: float = DEFAULT_MFU) -> Plan:
     """Size the layout ``parallel`` analytically; the arguments are ``lab.planning.planner.plan``'s.
 
     ``parallel``: a ``lab.run.parallel.Parallel``, any object with its attributes, or a dict
@@ -155,12 +147,15 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                                expert_psi=busiest.expert_params, moe_layers=busiest.moe_layers)
     mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
     bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
-    costs = {"intra": (intra_bw, intra_alpha_us), "inter": (inter_bw, inter_alpha_us)}
+    links = link_loads(comm, {"intra": (intra_bw, intra_alpha_us), "inter": (inter_bw, inter_alpha_us)},
+                       target_iter_s)
+    step = step_time(spec, lay, links, gpus, gb, m, seq, bubble[1], gpu_tflops=gpu_tflops, mfu=mfu)
+    warnings = _warnings(spec, lay, mem, m, gpus_per_node, activations_gb) + bandwidth_warnings(step, links)
+    balance = plan_balance(spec, lay, seq)  # reported beside the layout; the ranking does not read it
     return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,
-                str(optimizer), mem, comm, _links(comm, costs, target_iter_s), target_iter_s,
-                *(bubble if lay.pp > 1 else (None, None)),
-                warnings=tuple(_warnings(spec, lay, mem, m, gpus_per_node, activations_gb)),
-                notes=tuple(_notes(lay, gpus_per_node)) + tuple(layout_notes(lay)), stages=stages)
+                str(optimizer), mem, comm, links, target_iter_s, *(bubble if lay.pp > 1 else (None, None)),
+                warnings=tuple(warnings), notes=tuple(_notes(lay, gpus_per_node)) + tuple(layout_notes(lay))
+                + tuple(plan_balance_notes(balance, lay)), stages=stages, step=step, stage_balance=balance)
 
 
 def _base_work(spec: ModelSpec, lay: Layout, dtype: str, mb: int, m: int, seq: int) -> Work:
@@ -236,19 +231,6 @@ def resolve_batch(lay: Layout, global_batch: int | None, micro_batch: int | None
     return global_batch, micro_batch, m
 
 
-def _links(comm: tuple[CommEntry, ...], costs: Mapping[str, tuple[float, float]],
-           target_iter_s: float) -> tuple[LinkLoad, ...]:
-    """Each link's load; ``costs[link]`` is (GB/s, µs per ring step)."""
-    out = []
-    for name, (bw, alpha_us) in costs.items():
-        mine = [e for e in comm if e.link == name]
-        wire = sum(e.wire_bytes for e in mine)
-        latency = alpha_us * 1e-6 * sum(e.count * collective_steps(e.op, e.group_size) for e in mine)
-        out.append(LinkLoad(name, bw, wire, latency + wire / (bw * GB) if bw > 0 else math.inf,
-                            required_bandwidth(wire, target_iter_s), alpha_us, latency))
-    return tuple(out)
-
-
 def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_per_node: int,
               activations_gb: float | None) -> list[str]:
     out = []
@@ -267,7 +249,7 @@ def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_p
         out.append(f"M={m} < 4P={4 * lay.pp}: {share}; the sizing guides advise M >= 4P")
     if spec.heads is not None and spec.heads % lay.tp:
         out.append(f"heads={spec.heads} not divisible by tp={lay.tp}")
-    if spec.layers is not None and spec.layers % lay.num_stages:
+    if spec.layers is not None and lay.stage_layers is None and spec.layers % lay.num_stages:
         out.append(f"layers={spec.layers} not divisible by pp*v={lay.num_stages}: "
                    "stages are uneven; the busiest is sized")
     if not spec.has_shape and activations_gb is None:

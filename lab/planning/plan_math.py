@@ -172,6 +172,17 @@ def tp_size_for_memory(params_grads_bytes: float, gpu_mem_bytes: float, act_byte
     return ratio, next((d for d in sizes if d >= ratio), sizes[-1])
 
 
+def model_flops_per_token(params: float, layers: int | None, hidden: int | None, seq_len: int,
+                          recompute: bool | str = False) -> float:
+    """FLOPs one token costs in forward and backward, as the GPU runs them (Narayanan et al. 2021,
+    docs/design.md#overlap-model-flops-and-mfu): 6·N for the N weights a token uses, plus 12·l·s·h for the
+    attention scores and values (a model known by its count alone has no attention term). Recomputation runs a
+    forward again: 2·N + 4·l·s·h under full checkpointing, the attention core's 4·l·s·h under selective."""
+    attention = 12.0 * layers * seq_len * hidden if layers and hidden else 0.0
+    again = {True: 2.0 * params + attention / 3, "selective": attention / 3}.get(recompute, 0.0)
+    return 6.0 * params + attention + again
+
+
 def required_bandwidth(wire_bytes: float, seconds: float) -> float:
     """GB/s needed to move ``wire_bytes`` in ``seconds`` ("245GB / 1s = 245GB/s", the Turing Inc. guide)."""
     if seconds <= 0:

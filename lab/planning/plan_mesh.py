@@ -12,7 +12,7 @@ dp_i = r·ep + ep_i (``kernels.parallel.mesh.build_ep_mesh``): an expert group i
 
 ``Layout`` reads the attributes of ``lab.run.parallel.Parallel`` (dp, tp, pp, ep, cp, zero,
 fsdp_strategy, dp_replicate, schedule, microbatches, stages_per_rank, sequence_parallel,
-loss_parallel, activation_checkpointing, mesh_order) from any object or plain dict, without importing it, and
+loss_parallel, activation_checkpointing, mesh_order, stage_layers) from any object or plain dict, without importing it, and
 resolves them with the rules of ``kernels.contract.layout_rules``. Pure Python; no torch.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kernels.contract.layout_combinations import stage_layers_problems
 from kernels.contract.layout_rules import (MESH_AXES, canonical_schedule, coords, default_stages_per_rank, hsdp_split,
                                   mesh_order_problems, stage_problems, zero_stage)
 
@@ -43,6 +44,7 @@ class Layout:
     mesh_order: tuple[str, ...] = MESH_AXES  # rank order over the axes, outermost first
     ep: int = 1  # expert parallelism: each MoE layer's experts split over groups of ep dp ranks (ep divides dp)
     cp: int = 1  # context parallelism: each sequence split over cp ranks of the data axis, attention as a ring
+    stage_layers: tuple[int, ...] | None = None  # blocks per pipeline stage, in stage order; None: equal stages
 
     @property
     def world(self) -> int:
@@ -72,6 +74,7 @@ class Layout:
         text += (f" EP{self.ep} " if self.ep > 1 else " ") + shard
         if self.pp > 1:
             text += f" {self.schedule}" + (f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+            text += f" stages={'/'.join(map(str, self.stage_layers))}" if self.stage_layers else ""
         if self.mesh_order != MESH_AXES:
             text += " order=" + ",".join(self.mesh_order)
         return text
@@ -122,8 +125,12 @@ def layout_from(parallel: Any, *, schedule: str | None = None, activation_checkp
     order = _get(parallel, "mesh_order", MESH_AXES)
     for _, message in mesh_order_problems(order):
         raise ValueError(message)
+    split = _get(parallel, "stage_layers", None)
+    for _, message in stage_layers_problems(split, pp, pp * v):
+        raise ValueError(message)
     return Layout(dp, tp, pp, zero, strategy, sched, v, bool(_get(parallel, "sequence_parallel", False)),
-                  ac if ac == "selective" else bool(ac), replicate, loss_parallel and tp > 1, tuple(order), ep, cp)
+                  ac if ac == "selective" else bool(ac), replicate, loss_parallel and tp > 1, tuple(order), ep, cp,
+                  None if split is None else tuple(split))
 
 
 def axis_groups(dp: int, tp: int, pp: int, axis: str, order: tuple[str, ...] = MESH_AXES) -> list[list[int]]:

@@ -61,6 +61,14 @@ def link_rows(p: Any) -> list[tuple[str, ...]]:
             for load in p.links]
 
 
+def step_line(p: Any) -> str:
+    """The estimated iteration (``Plan.step``): its total and what it is spent on, nothing overlapped."""
+    t = p.step
+    return (f"estimated step (nothing overlapped): {t.total_s:.3f} s = compute {t.compute_s:.3f} + bubble "
+            f"{t.bubble_s:.3f} + inside nodes {t.intra_s:.3f} + between nodes {t.inter_s:.3f} s, for "
+            f"{t.sequences} sequences ({t.gpu_tflops:g} TFLOP/s per GPU at MFU {t.mfu:g})")
+
+
 def _title(p: Any) -> str:
     head = (f"{p.model} ({p.params / 1e9:g}B params) on {p.gpus} GPUs ({p.gpus_per_node}/node, "
             f"{p.gpu_mem_gb:g} GB): {p.layout.describe()}")
@@ -102,7 +110,7 @@ def text(p: Any) -> str:
         lines += ["  " + row for row in _text_table(header, comm_rows(p))]
         lines += ["  " + row for row in
                   _text_table(("link", "wire", "bandwidth", "α/step", "time", "needed"), link_rows(p))]
-    lines += ["", _bubble(p)]
+    lines += ["", _bubble(p)] + ([step_line(p)] if p.step is not None else [])
     if p.measured is not None:
         lines += ["", p.measured.title() + ":"]
         lines += ["  " + row for row in _text_table(_CHECK_HEADER, p.measured.table_rows())]
@@ -128,6 +136,8 @@ def html(p: Any) -> str:
         parts.append(_html_table(("link", "wire", "bandwidth", "α/step", "time", "needed"), link_rows(p),
                                  "lab-plan-links"))
     parts.append(f"<p>{esc(_bubble(p))}</p>")
+    if p.step is not None:
+        parts.append(f"<p>{esc(step_line(p))}</p>")
     if p.measured is not None:
         parts.append(f"<p>{esc(p.measured.title())}</p>")
         parts.append(_html_table(_CHECK_HEADER, p.measured.table_rows(), "lab-plan-measured"))
@@ -138,16 +148,17 @@ def html(p: Any) -> str:
 
 
 def candidate_rows(rec: Any) -> list[tuple[str, ...]]:
-    """Rows of recommend()'s ranking: rank, layout, memory, fits, bubble, reason."""
+    """Rows of recommend()'s ranking: rank, layout, memory, fits, bubble, estimated step time, reason."""
     rows = []
     for i, c in enumerate(rec.candidates, 1):
         bubble = "-" if c.plan.bubble is None else f"{c.plan.bubble:.1%}"
+        step = f"{c.plan.step.total_s:,.2f} s / {c.plan.step.sequences}"
         rows.append((str(i), c.plan.layout.describe(), _gb(c.plan.memory.total),
-                     "yes" if c.plan.fits else "NO", bubble, c.reason))
+                     "yes" if c.plan.fits else "NO", bubble, step, c.reason))
     return rows
 
 
-_CANDIDATE_HEADER = ("#", "layout", "memory/GPU", "fits", "bubble", "why")
+_CANDIDATE_HEADER = ("#", "layout", "memory/GPU", "fits", "bubble", "step (est.) / seqs", "why")
 
 
 def recommendation_text(rec: Any) -> str:

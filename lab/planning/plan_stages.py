@@ -1,13 +1,13 @@
 """Sizing each pipeline rank of a layout: its stages and blocks, parameters after TP, and memory.
 
 ``stage_plans`` gives one ``StagePlan`` per pp rank: the stages ``kernels.contract.layout_rules``
-places on it, the blocks ``layer_split`` gives those stages, its Ψ after TP (and its experts after EP),
-its memory and its exact traffic (``lab.planning.plan_comm``). A preset splits its dense Ψ evenly over its
-blocks (embeddings not singled out) and its experts by the MoE layers each stage holds; the lab's GPT
-(``lab.planning.plan_tensors.gpt_tensors``) is counted
-tensor by tensor: TP splits what ``kernels.parallel.tensor_parallel`` splits (tp rank 0's chunk,
-the largest) and replicates the norms and row-parallel biases, and PP gives the
-embeddings to the first stage, the final norm and LM head to the last.
+places on it, the blocks ``layer_split`` gives those stages (equal, or the layout's ``stage_layers``), its Ψ
+after TP (and its experts after EP), its memory and its exact traffic (``lab.planning.plan_comm``).
+``lab.planning.stage_balance`` proposes the ``stage_layers`` that balance the stages' cost. A preset splits
+its dense Ψ evenly over its blocks (embeddings not singled out) and its experts by the MoE layers each stage
+holds; the lab's GPT (``lab.planning.plan_tensors.gpt_tensors``) is counted tensor by tensor: TP splits
+what ``kernels.parallel.tensor_parallel`` splits (tp rank 0's chunk, the largest) and replicates the norms
+and row-parallel biases, and PP gives the embeddings to the first stage, the final norm and LM head to the last.
 
 Memory: parameters, gradients and optimizer states shard by TP and PP, then over the data
 axis (dp · cp ranks) as ZeRO says (``lab.planning.plan_math.zero_memory``); under expert parallelism a
@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kernels.contract.layout_combinations import stage_split_problems
 from kernels.contract.layout_rules import layer_split, stage_ids
 from lab.planning.plan_comm import CommEntry, Work, all_entries, sharded_psi
 from lab.planning.plan_math import (ACTIVATION_FACTOR, GB, SELECTIVE_FACTOR, activation_bytes,
@@ -92,7 +93,7 @@ def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> StagePar
     n_stages = lay.num_stages
     if spec.layers is None:
         return StageParams(spec.params / lay.pp / lay.tp, 0.0, None)
-    blocks = {b for s in ids for b in layer_split(spec.layers, n_stages, s)}
+    blocks = {b for s in ids for b in layer_split(spec.layers, n_stages, s, lay.stage_layers)}
     moe_layers = len(blocks & set(moe_layer_ids(spec)))
     if not spec.per_tensor:
         dense = (spec.params - routed_params_in(spec, set(range(spec.layers)))) * len(blocks) / spec.layers / lay.tp
@@ -107,6 +108,9 @@ def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k:
                 activations_gb: float | None) -> tuple[StagePlan, ...]:
     """A StagePlan per pipeline rank: ``base`` (batch and dtype) with that rank's Ψ, blocks and stages."""
     n_stages = lay.num_stages
+    if lay.stage_layers is not None and spec.layers is not None:
+        for _, message in stage_split_problems(spec.layers, n_stages, lay.stage_layers):
+            raise ValueError(message)
     out = []
     for r in range(lay.pp):
         ids = stage_ids(lay.schedule, r, lay.pp, lay.stages_per_rank)

@@ -13,6 +13,7 @@ from lab.planning.plan_latency import DEFAULT_ALPHA_US
 from lab.planning.plan_layout import Plan, plan_layout
 from lab.planning.plan_models import ModelSpec
 from lab.planning.plan_own_models import model_spec
+from lab.planning.plan_time import DEFAULT_GPU_TFLOPS, DEFAULT_MFU
 from lab.planning.recommend import recommend
 
 
@@ -23,7 +24,8 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
          activation_checkpointing: bool | None = None, schedule: str | None = None,
          microbatches: int | None = None, target_iter_s: float = 1.0,
          activations_gb: float | None = None, intra_alpha_us: float = DEFAULT_ALPHA_US["intra"],
-         inter_alpha_us: float = DEFAULT_ALPHA_US["inter"], ep: int | None = None, cp: int | None = None) -> Plan:
+         inter_alpha_us: float = DEFAULT_ALPHA_US["inter"], ep: int | None = None, cp: int | None = None,
+         gpu_tflops: float = DEFAULT_GPU_TFLOPS, mfu: float = DEFAULT_MFU) -> Plan:
     """Size one layout analytically.
 
     ``model``: a preset name, a parameter count, a dict of shape fields, a ``ModelSpec``, a ``lab.GPT``,
@@ -44,13 +46,17 @@ def plan(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per
     ``activation_checkpointing`` default to the parallel object's, else "1f1b" and off.
     ``optimizer``: "adam" (K=12, docs/design.md#zero-formulas), "adam_bf16" (K=4, the Turing Inc. guide's convention),
     "sgd", "sgd_momentum", or K itself. ``activations_gb`` replaces the activation
-    estimate (the sizing guides' TP example assumes 20GB). Raises ValueError when dp·cp·tp·pp ≠ gpus.
+    estimate (the sizing guides' TP example assumes 20GB). ``gpu_tflops`` (one GPU's peak, TFLOP/s; default an
+    H100's dense bf16) and ``mfu`` (the share of it the compute reaches) price the compute of ``Plan.step``, the
+    estimated iteration beside the links' time (``lab.planning.plan_time``), which ``recommend()`` ranks by.
+    Raises ValueError when dp·cp·tp·pp ≠ gpus.
     """
     spec = model_spec(model)
     options = dict(intra_bw=intra_bw, inter_bw=inter_bw, global_batch=global_batch, micro_batch=micro_batch,
                    seq_len=seq_len, dtype=dtype, optimizer=optimizer, microbatches=microbatches,
                    activation_checkpointing=activation_checkpointing, target_iter_s=target_iter_s,
-                   activations_gb=activations_gb, intra_alpha_us=intra_alpha_us, inter_alpha_us=inter_alpha_us)
+                   activations_gb=activations_gb, intra_alpha_us=intra_alpha_us, inter_alpha_us=inter_alpha_us,
+                   gpu_tflops=gpu_tflops, mfu=mfu)
     if parallel is None:
         return _recommended(spec, gpus, gpus_per_node, gpu_mem_gb,
                             {**options, "schedule": schedule or "1f1b", "ep": ep, "cp": cp})

@@ -7,10 +7,18 @@ Hugging Face's multi-GPU guide, "Scalability Strategy"):
 1. every candidate must fit the GPU's memory;
 2. TP stays inside a node and at most 8 (a divisor of the node's GPU count that
    divides the heads);
-3. DP grows as far as memory allows ("first grow DP as far as it goes");
-4. PP is added only when needed, with M >= 4P micro-batches per iteration;
-   among equal DP, fewer stages (less bubble) rank first, so TP is preferred to PP;
-   what still ties ranks by its time on the links (the α–β time of every call).
+3. every candidate trains one global batch, 4 sequences per GPU unless one is given: M = 4·tp·pp·cp
+   micro-batches of one sequence, at least the Turing Inc. guide's M >= 4P, so a deeper pipeline pays its
+   bubble at the same batch as a shallower one;
+4. the candidates that fit rank by their estimated time per trained sequence (``Plan.step``,
+   ``lab.planning.plan_time``): compute, pipeline bubble, and the α–β time of every call on each link, the one
+   between nodes at ``inter_bw``. This is the guides' step 4, "verify the bandwidth", made part of the choice:
+   on a fast link DP grows as far as memory allows ("first grow DP as far as it goes"), on a slow one the
+   layout that keeps DP inside a node and sends only PP's activations between nodes wins (Hugging Face's
+   "DP+PP+TP+ZeRO-1" for slow inter-node links; Fujii: the best configuration changes with the inter-node
+   network). Times within 10 % are a tie (``plan_ranking.TIME_TOLERANCE``), which the most DP, then the fewest
+   stages, win. The best layout still warns [verify-bandwidth] when its traffic between nodes outlasts its
+   compute.
 
 A model with experts is also tried at every expert-parallel size ``ep`` that divides both DP and the
 experts (EP lives inside DP, so it costs no DP: it trades the experts' memory, 1/ep, for all-to-alls).
@@ -24,7 +32,7 @@ FSDP's hybrid strategy shards inside a node and replicates across nodes (its
 which the Turing Inc. guide's TP rule "TP ≥ (Parameters + Gradients) / (GPU_memory − Activations)"
 holds (parameters and gradients whole per replica, optimizer states sharded), and the
 one that Hugging Face's multi-GPU guide pairs with PP. With ``zero=3`` nearly every model fits as
-pure FSDP, so the ranking then returns FSDP over every GPU, which the sizing guides avoid for traffic reasons.
+pure FSDP; its all-gathers per micro-batch then count in each candidate's step time.
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -38,6 +46,9 @@ from lab.planning.plan_math import GB
 from lab.planning.plan_mesh import Layout
 from lab.planning.plan_models import ModelSpec, get_model
 from lab.planning.plan_ranking import best_warnings, rank_key, reason
+
+
+SEQUENCES_PER_GPU = 4  # the default global batch per GPU: M = 4·tp·pp·cp >= 4P for every candidate
 
 
 @dataclass(frozen=True)
@@ -116,15 +127,12 @@ def node_shard(dp: int, tp: int, gpus_per_node: int) -> int:
     return max(d for d in divisors(dp) if d <= per_node)
 
 
-def _microbatches(pp: int, dp: int, global_batch: int | None, micro_batch: int | None,
-                  microbatches: int | None) -> int | None:
-    """M for a candidate: given, or from the global batch, or 4P (the Turing Inc. guide: M ≥ 4 × P)."""
+def _microbatches(dp: int, global_batch: int, micro_batch: int | None, microbatches: int | None) -> int | None:
+    """M for a candidate: given, or from the global batch (None when it does not split into whole micro-batches)."""
     if microbatches is not None:
         return microbatches
-    if global_batch is not None:
-        per = dp * (micro_batch or 1)
-        return global_batch // per if global_batch % per == 0 and global_batch >= per else None
-    return 4 * pp if pp > 1 else 1
+    per = dp * (micro_batch or 1)
+    return global_batch // per if global_batch % per == 0 and global_batch >= per else None
 
 
 def recommend(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpus_per_node: int = 8,
@@ -138,16 +146,21 @@ def recommend(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, gpu
     ``dp`` fixes the data-parallel size, as the Turing Inc. guide's formula
     "PP_stages = ceil(Total_GPUs / (TP_size × DP_size))" takes it as given (their
     1024-GPU 405B example keeps DP=8). ``zero``/``fsdp_strategy`` shard the dp axis.
-    Without a global batch, M = 4P. ``activation_checkpointing=None`` tries without it
-    first and turns it on only when nothing fits (Fujii's distributed-training talk: "turn on
-    activation checkpointing and check whether TP and PP can be reduced"). ``ep`` fixes the expert-parallel
+    Without a global batch (or ``microbatches``), every candidate trains the same 4·gpus sequences of
+    ``micro_batch`` (1): M = 4·tp·pp·cp, at least the Turing Inc. guide's M ≥ 4P, and step times compare at one
+    batch. ``activation_checkpointing=None`` tries without it first and turns it on only when nothing fits
+    (Fujii's distributed-training talk: "turn on activation checkpointing and check whether TP and PP can be
+    reduced"). ``ep`` fixes the expert-parallel
     size (None: every divisor of DP and of the experts, for a model with experts); ``cp`` the context-parallel
     size (None: 1, or the sizes that cut the sequence into 2·cp chunks when only activations keep a layout
     from fitting; module docstring). Other keywords (seq_len, dtype, optimizer, schedule, intra_bw, inter_bw,
-    target_iter_s, activations_gb) go to ``plan_layout()``. When nothing fits, the smallest layouts are
-    returned with a warning.
+    intra_alpha_us, inter_alpha_us, gpu_tflops, mfu, target_iter_s, activations_gb) go to ``plan_layout()``:
+    the links and the GPU's speed set the estimated step time the ranking uses. When nothing fits, the smallest
+    layouts are returned with a warning.
     """
     spec = get_model(model)
+    if global_batch is None and microbatches is None:  # one batch for all, so that their step times compare
+        global_batch = SEQUENCES_PER_GPU * gpus * (micro_batch or 1)
     search = dict(dp=dp, zero=zero, fsdp_strategy=fsdp_strategy, max_tp=max_tp, global_batch=global_batch,
                   micro_batch=micro_batch, microbatches=microbatches, ep=ep)
     checkpointing = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
@@ -212,7 +225,7 @@ def _plan_or_none(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: fl
                   search: dict[str, Any], plan_kwargs: dict[str, Any]) -> list[Plan]:
     """[the plan of one candidate], or [] when its batch does not split or the model refuses it."""
     cand_dp, fsdp_strategy = sizes["dp"], search["fsdp_strategy"]
-    m = _microbatches(sizes["pp"], cand_dp, search["global_batch"], search["micro_batch"], search["microbatches"])
+    m = _microbatches(cand_dp, search["global_batch"], search["micro_batch"], search["microbatches"])
     if m is None or m < sizes["pp"]:
         return []  # no whole micro-batches, or fewer than 1F1B needs
     data = cand_dp * sizes["cp"]  # the ranks ZeRO shards over
@@ -230,12 +243,13 @@ def _plan_or_none(spec: ModelSpec, gpus: int, gpus_per_node: int, gpu_mem_gb: fl
 def _rank(plans: list[Plan], top_k: int, gpu_mem_gb: float, fsdp_strategy: str | None,
           fixed_dp: int | None, notes: list[str]) -> Recommendation:
     warnings = list(notes)
-    fitting = sorted((p for p in plans if p.fits), key=rank_key)
+    least_s = min((p.step.per_sequence_s for p in plans if p.fits), default=None)
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: rank_key(p, least_s))
     if not plans:
         return Recommendation((), ("no layout could be formed: check gpus, gpus_per_node, the heads "
                                    "and the batch (M must be a whole number >= P)",))
     if not fitting:
-        chosen = sorted(plans, key=lambda p: (p.memory.total, rank_key(p)))[:top_k]
+        chosen = sorted(plans, key=lambda p: p.memory.total)[:top_k]
         warnings.append(f"no layout fits in {gpu_mem_gb:g} GB per GPU; the smallest needs "
                         f"{chosen[0].memory.total / GB:.1f} GB. Try "
                         + ("" if chosen[0].layout.activation_checkpointing else "activation_checkpointing=True, ")
@@ -244,5 +258,5 @@ def _rank(plans: list[Plan], top_k: int, gpu_mem_gb: float, fsdp_strategy: str |
         chosen = fitting[:top_k]
         warnings += best_warnings(chosen[0], fsdp_strategy)
     max_dp = max((p.layout.dp for p in fitting), default=0)
-    cands = tuple(Candidate(p, reason(p, max_dp, fixed_dp)) for p in chosen)
+    cands = tuple(Candidate(p, reason(p, max_dp, fixed_dp, least_s)) for p in chosen)
     return Recommendation(cands, tuple(warnings))

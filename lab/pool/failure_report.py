@@ -35,9 +35,11 @@ class FailureReporter:
     def _raise_after_recovery(self, out: Outcome, *, timeout: float | None, hang_watch: Any = None) -> NoReturn:
         timed_out = out.deadline_hit
         report = None
-        if hang_watch is not None and timed_out:  # first: nothing signalled or torn down yet
+        # First, before anything is signalled or torn down; also on a failure, where a death may be told
+        # as the engine's failed task and counted as a death only during recovery.
+        if hang_watch is not None:
             report = hang_watch.capture(f"no progress for {hang_watch.hang_after:g} s (hang_after)" if out.stalled
-                                        else f"the {timeout:g} s timeout")
+                                        else f"the {timeout:g} s timeout" if timed_out else "a failed call")
         rank_map = self._rank_map  # the PIDs that failed, before recovery replaces any
         at_deadline = self._stacks_now(set(out.pending)) if timed_out else {}
         skipped = set(out.results) if timed_out else set()  # returned while others still ran
@@ -65,7 +67,7 @@ class FailureReporter:
         if cause.rank not in self._dead and cause.rank not in recovery.replaced:
             self._states[cause.rank] = ("failed", f"{cause.ename}: {cause.evalue}"[:200])
         if out.dead:
-            raise DeadRankError(failures, _dead_summary(out.dead, rank_map), recovery)
+            raise DeadRankError(failures, _dead_summary(out.dead, rank_map), recovery, report=report)
         if timed_out:
             waiting = {r: c for r, c in late.items() if c}
             if out.stalled:
@@ -75,7 +77,7 @@ class FailureReporter:
             summary = _timeout_summary(late_ranks, waiting, skipped, rank_map, timeout)
             raise RankTimeoutError(failures, summary + (f"\n{report}" if report else ""), recovery, late=late_ranks,
                                    waiting=waiting, report=report)
-        raise RankError(failures, recovery=recovery)
+        raise RankError(failures, recovery=recovery, report=report)
 
     def _stacks_now(self, ranks: set[int]) -> dict[int, list[Frame] | None]:
         """Every rank's main-thread stack at this moment, read here when its dump file is (others: None, asked later)."""

@@ -56,6 +56,7 @@ class RankDoing:
     waited_s: float = 0.0
     faults: tuple[str, ...] = ()  # faults injected on this rank (lab.Slow/Hang/Crash/Kill)
     silent_s: float = 0.0  # seconds since the rank last changed its state (last heard from)
+    step: int = -1  # the global step it was in (-1: not known, or before its first step)
 
     @property
     def collective(self) -> str:
@@ -102,12 +103,12 @@ def doing(rank: int, state: RankActivity | None, *, fresh: bool, now: float) -> 
         return RankDoing(rank, "not started", "still building the model or its groups")
     faults, silent = tuple(state.faults), max(0.0, now - state.updated)
     if state.action == "done":
-        return RankDoing(rank, "done", "done", faults=faults, silent_s=silent)
+        return RankDoing(rank, "done", "done", faults=faults, silent_s=silent, step=state.step)
     if state.open:
         c = state.open[0]  # the oldest: the one it is stuck behind
         return RankDoing(rank, "in collective", state.action, c.op, c.group, tuple(c.ranks), c.seq, c.nbytes,
-                         max(0.0, now - c.entered), faults, silent)
-    return RankDoing(rank, "in compute", state.action, faults=faults, silent_s=silent)
+                         max(0.0, now - c.entered), faults, silent, state.step)
+    return RankDoing(rank, "in compute", state.action, faults=faults, silent_s=silent, step=state.step)
 
 
 def build_report(rows: list[RankDoing], reason: str) -> HangReport:

@@ -42,6 +42,11 @@ costs what it did):
   ``lab.HangError`` with a ``HangReport`` (``lab.pool.hang_report``). Every run publishes
   each rank's collectives (``kernels.watch.rank_watch``), so a timeout or an interrupt carries
   the same report; ``RunResult.step_waits`` has each rank's wait and compute per step.
+- ``grad_clip=``, ``lr_schedule=``, ``shuffle=``, ``spike_guard=`` (``lab.run.training_hygiene``): clipping by the
+  global norm, a learning-rate schedule, the data's order epoch by epoch, and skipping a bad batch's update
+  (``RunResult.spikes``; ``lab.PoisonBatch`` in ``faults`` makes one), all applied alike in ``reference()``.
+- ``on_event=``: a callable or an http(s) webhook URL that hears of a hang, a death, a rank's error,
+  each loss spike and the finish, with the rank and the step (``lab.run.events``).
 """
 from __future__ import annotations
 
@@ -59,12 +64,15 @@ from kernels.train.reference import train_reference
 from kernels.contract.run_config import RunConfig
 from kernels.contract.data_spec import DataSpec
 from kernels.train.entry import train_rank
+from lab.errors import RankError
 from lab.run.checkpointing import check_resume, directory_problems, resume_path
 from lab.run import run_logs, run_views
 from lab.pool.cluster import Cluster
 from lab.run.data_sources import data_problems, data_spec
 from lab.run.own_models import own_config
-from lab.run.faults import fault_problems, fault_records, hang_after_problems
+from lab.run.events import EventSink, on_event_problems
+from lab.run.faults import fault_problems, fault_records, hang_after_problems, poison_records
+from lab.run.training_hygiene import schedule_record
 from lab.pool.hang_report import HangWatch
 from lab.run.parallel import Parallel, ParallelConfigError
 from lab.run.run_handle import RunHandle
@@ -86,7 +94,8 @@ class Experiment:
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
                  checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None,
-                 data: Any = None) -> None:
+                 data: Any = None, on_event: Any = None, grad_clip: float | None = None, lr_schedule: Any = None,
+                 shuffle: bool | None = None, spike_guard: Any = None) -> None:
         self.cluster, self.parallel = cluster, parallel
         self.model, model_problems = run_model(model)
         problems = list(model_problems)
@@ -96,14 +105,21 @@ class Experiment:
         # checkpoints (lab.run.checkpointing): paths made absolute, as the ranks' working directory may differ
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
         self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
-        self.faults, self.hang_after = faults, hang_after
+        self.faults, self.hang_after, self.on_event = faults, hang_after, on_event
         try:  # what data= names, as the ranks will receive it (lab.run.data_sources)
             self.data_spec = data_spec(data)
         except ConfigError as error:
             self.data_spec, problems = DataSpec(), problems + error.problems
+        # training hygiene (lab.run.training_hygiene): the rules of RunConfig check them
+        self.grad_clip, self.shuffle, self.spike_guard = grad_clip, shuffle, spike_guard
+        try:
+            self.lr_schedule = schedule_record(lr_schedule, steps)
+        except ConfigError as error:
+            self.lr_schedule, problems = None, problems + error.problems
         problems += [] if model_problems else self._problems(optimizer)
         if problems:  # raised here, before anything reaches the ranks
             raise ParallelConfigError(problems)
+        self.events = EventSink(on_event, parallel.describe().split(" (")[0])  # lab.run.events, e.g. "DP4, ZeRO-0"
         self.warnings = parallel.layout_warnings()
         for message in self.warnings:
             warnings.warn(message, LayoutWarning, stacklevel=2)
@@ -126,6 +142,7 @@ class Experiment:
         out += directory_problems(self.checkpoint_dir) if self.checkpoint_dir is not None else []
         out += fault_problems(self.faults, self.cluster.world_size, self.steps)
         out += hang_after_problems(self.hang_after)
+        out += on_event_problems(self.on_event)
         out += data_problems(self.data_spec, self.model, steps=self.steps, global_batch=self.global_batch) \
             if not out else []  # its checks build the run config
         return out + self.parallel.problems(self.model, self.cluster.world_size, self.global_batch)
@@ -142,7 +159,8 @@ class Experiment:
             checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every,
             checkpoint_async=self.checkpoint_async,
             resume_from=None if self.resume_from is None else os.fspath(self.resume_from),
-            watch_collectives=True, faults=fault_records(self.faults))
+            watch_collectives=True, faults=fault_records(self.faults), poison=poison_records(self.faults),
+            grad_clip=self.grad_clip, lr_schedule=self.lr_schedule, shuffle=self.shuffle, spike_guard=self.spike_guard)
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:
         """The plain config dict every rank receives: ``run_config().to_dict()``."""
@@ -161,9 +179,15 @@ class Experiment:
         """
         if not progress and log_to is None:
             cfg = self._resumed(self.config(return_params=return_params))
-            per_rank = self.cluster.run(train_rank, cfg, timeout=timeout, wait=wait,
-                                        hang_watch=HangWatch(self.cluster, self.hang_after))
-            return self.result_from_ranks(per_rank, cfg, return_params)
+            try:
+                per_rank = self.cluster.run(train_rank, cfg, timeout=timeout, wait=wait,
+                                            hang_watch=HangWatch(self.cluster, self.hang_after))
+            except RankError as error:
+                self.events.failure(error)
+                raise
+            result = self.result_from_ranks(per_rank, cfg, return_params)
+            self.events.finished(result)
+            return result
         handle = self._handle(timeout, return_params, log_to)
         self._claim(handle, wait)
         with run_views.progress_bar(handle, show=progress):
@@ -193,10 +217,18 @@ class Experiment:
         loggers = run_logs.open_loggers(log_to, self.config(), self.cluster.world_size)  # bad log_to: before launch
         cfg = self._resumed({**self.config(return_params=return_params), "progress": True})
         handle = RunHandle(self, cfg, timeout=timeout, return_params=return_params)
+        handle.on_finish(lambda: self._tell_outcome(handle))
         for logger in loggers:
             handle.follow(logger.write)
             handle.on_finish(logger.close)
         return handle
+
+    def _tell_outcome(self, handle: RunHandle) -> None:
+        """``on_event`` hears how a run through a handle ended (it never raises: ``lab.run.events``)."""
+        if handle._error is not None:
+            self.events.failure(handle._error)
+        elif handle._result is not None:
+            self.events.finished(handle._result)
 
     def result_from_ranks(self, per_rank: list[dict[str, Any]], cfg: dict[str, Any],
                           return_params: bool = False) -> RunResult:
@@ -213,7 +245,8 @@ class Experiment:
         params = {0: {k: v.tolist() for k, v in out["params"].items()}} if return_params else {}
         return RunResult(config=cfg, losses=list(out["losses"]), grad_norms=list(out["grad_norms"]),
                          step_times=[[per_step] * len(out["losses"])], layout=[{"rank": 0, "strategy": "reference"}],
-                         params=params, first_step=out["first_step"], routing_records=out["routing"])
+                         params=params, first_step=out["first_step"], routing_records=out["routing"],
+                         lrs=out["lrs"], spikes=out["spikes"])
 
     def _resumed(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """``cfg`` with ``resume_from`` resolved to the path the ranks load, checked before anything launches."""

@@ -54,7 +54,7 @@ class Parallel:
     dp: int = 1  # data-parallel degree (replicas, or shards under ZeRO/FSDP)
     tp: int = 1  # tensor-parallel degree (Megatron column/row split inside a block)
     pp: int = 1  # pipeline-parallel degree (ranks along the pipeline)
-    zero: int = 0  # 0 plain DDP, 1 ZeroRedundancyOptimizer, 2/3 fully_shard without/with reshard
+    zero: int = 0  # 0 plain DDP, 1 ZeRO-1 (ZeroRedundancyOptimizer; by slices with tp/pp), 2/3 fully_shard
     fsdp_strategy: str | None = None  # "full" | "grad_op" | "no_shard" | "hybrid"; None: from zero
     schedule: str = "1f1b"  # pipeline schedule, one of SCHEDULES
     microbatches: int | None = None  # per step and dp rank; None: see num_microbatches
@@ -70,12 +70,22 @@ class Parallel:
     mesh_order: tuple[str, ...] = MESH_AXES
     ep: int = 1  # expert parallelism: each MoE layer's experts split over groups of ep dp ranks (ep divides dp)
     cp: int = 1  # context parallelism: each sequence split over cp more ranks, attention as a ring
+    # FSDP2 per unit: free a unit's gathered parameters after its forward? A bool for every unit, or a dict
+    # naming "root" and/or "blocks" ({"root": False, "blocks": True}); None: from zero (3 frees, 2 keeps).
+    reshard_after_forward: bool | dict[str, bool] | None = dataclasses.field(default=None, hash=False)  # dicts: no hash
+    # Blocks per pipeline stage, one count per stage (pp * stages_per_rank, in stage order), e.g. (5, 3) to spare
+    # the last stage its head; None: equal stages. lab.balance_stages proposes one.
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         problems = self._field_problems()
         if problems:  # raised here, so a plain traceback shows one frame of the lab
             raise ParallelConfigError(problems)
         object.__setattr__(self, "mesh_order", tuple(self.mesh_order))  # from_dict of JSON gives a list
+        if isinstance(self.reshard_after_forward, dict):  # our own copy: the caller's dict may change later
+            object.__setattr__(self, "reshard_after_forward", dict(self.reshard_after_forward))
+        if isinstance(self.stage_layers, list):  # a tuple, as mesh_order: from_dict of JSON gives a list
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     # --- resolved values --------------------------------------------------------
     @property
@@ -163,7 +173,7 @@ class Parallel:
         out += tp_split_problems(self.tp, sizes, self.sequence_parallel)
         out += config_rules.moe_layout_problems(getattr(cfg, "experts", 0), self.sequence_parallel)
         if cfg.layers is not None:  # a model the user brought may have no block list ([pp-blocks] when pp > 1)
-            out += stage_split_problems(cfg.layers, self.num_stages)
+            out += stage_split_problems(cfg.layers, self.num_stages, self.stage_layers)
         per_step = self.dp * self.num_microbatches
         # A global_batch that is no positive int is [positive-sizes], the Experiment's own rule.
         if config_rules.is_int(global_batch) and global_batch % per_step:

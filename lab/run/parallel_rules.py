@@ -50,8 +50,20 @@ RULES = {
     "checkpoint": "checkpoint_dir and resume_from are path strings, checkpoint_every an int >= 1; checkpoint_every "
                   "and checkpoint_async need checkpoint_dir; a resume needs steps beyond the checkpoint's step",
     "checkpoint-dir": "checkpoint_dir must be a directory this process can create and write into",
-    "faults": "faults is a list of lab.Slow/Hang/Crash/Kill on ranks of the pool, at steps the run takes",
+    "faults": "faults is a list of lab.Slow/Hang/Crash/Kill on ranks of the pool, at steps the run takes, and "
+              "lab.PoisonBatch at such a step (kind 'nan' or 'spike', scale > 1)",
     "hang-after": "hang_after is None or a number of seconds > 0",
+    # Training hygiene (kernels.contract.training_hygiene, lab.run.training_hygiene).
+    "grad-clip": "grad_clip is None or a finite number > 0: the global L2 norm of the gradient each step may apply",
+    "lr-schedule": "lr_schedule is None, lab.WarmupCosine (total_steps > warmup_steps >= 0, min_factor in [0, 1]), "
+                   "lab.StepLR (step_size >= 1, gamma > 0) or a picklable function step -> finite factor >= 0",
+    "shuffle": "shuffle is None (the data's own order), or True/False for text and token ids (False also for your "
+               "own batches): the synthetic chain and tasks draw each batch afresh, with no epochs",
+    "spike-guard": "spike_guard is None or a lab.SpikeGuard with factor > 1, window >= 1 and action 'skip' "
+                   "(rollback to the last checkpoint is not built)",
+    "auto-resume": "lab.Training's auto_resume is True or False, and True needs checkpoint_dir and checkpoint_every "
+                   "(it goes back to the last complete checkpoint)",
+    "on-event": "on_event is None, a callable taking a lab.RunEvent, or an http(s) URL to post each event to as JSON",
     "log-to": "log_to is 'tensorboard:DIR' or 'wandb', with that package installed",
     # A parameter server's arguments (lab.ParameterServer).
     "ps-servers": "servers is an int from 1 to world_size-1: at least one rank must be a worker",
@@ -79,7 +91,10 @@ RULES = {
     "tp-seq-len": "seq_len must be divisible by tp: the position table is split over positions "
                   "(and sequence parallel splits the sequence)",
     "loss-parallel-pp": "loss_parallel needs pp == 1: a pipeline schedule computes the loss inside its last stage",
-    "pp-layers": "layers must be divisible by the number of stages pp * stages_per_rank",
+    "pp-layers": "layers must be divisible by the number of stages pp * stages_per_rank (or stage_layers given)",
+    "stage-layers": "stage_layers is None or, with pp > 1, a list of ints >= 1: each pipeline stage's blocks, one "
+                    "entry per stage (pp * stages_per_rank), in stage order",
+    "stage-layers-sum": "stage_layers must add up to the model's layers: every block on exactly one stage",
     "pp-microbatches": "microbatches must be at least pp (gpipe with 1 is naive model parallelism)",
     "unknown-schedule": "the schedule must be one of SCHEDULES",
     "single-stage-schedule": "gpipe and 1f1b run exactly one stage per rank (stages_per_rank == 1)",
@@ -98,7 +113,9 @@ RULES = {
     "activation-checkpointing": "activation_checkpointing must be False, True (recompute each block in backward) "
                                 "or 'selective' (recompute all but the matmuls and collectives)",
     "cpu-offload": "cpu_offload needs full sharding (zero 3 / FSDP full or hybrid)",
-    "zero1-dtensor": "ZeRO-1 (ZeroRedundancyOptimizer) cannot shard DTensor parameters, so not with tp > 1",
-    "zero3-split-backward": "ZeRO-3 (FSDP2 resharding after forward) gives wrong gradients under the "
+    "reshard-after-forward": "reshard_after_forward is None (from zero), True or False, or a dict from the FSDP "
+                             "units 'root' and 'blocks' to True/False",
+    "reshard-fsdp": "reshard_after_forward needs FSDP2 sharding: zero 2 or 3 (fsdp_strategy grad_op, full or hybrid)",
+    "zero3-split-backward": "ZeRO-3 (FSDP2 resharding after forward, for any unit) gives wrong gradients under the "
                             "split-backward schedules interleaved_zero_bubble, zbv and dualpipev; use zero 2 there",
 }

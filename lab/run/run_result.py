@@ -74,7 +74,8 @@ class RunResult:
             first_step=per_rank[0].get("first_step", 0),
             step_waits=[w for r in per_rank for w in r.get("waits", [])], faults=list(cfg.get("faults", [])),
             ring_records=[s for r in per_rank for s in r.get("ring_steps", [])],
-            routing_records=[s for r in per_rank for s in r.get("routing_steps", [])], **found)
+            routing_records=[s for r in per_rank for s in r.get("routing_steps", [])],
+            lrs=list(per_rank[0].get("lrs", [])), spikes=list(per_rank[0].get("spikes", [])), **found)
 
     @property
     def steps_ran(self) -> list[int]:
@@ -89,6 +90,9 @@ class RunResult:
     ring_records: list[dict[str, Any]] = field(default_factory=list)
     # a model with experts: every rank's routing per step and MoE layer (RoutingStep dicts; the view is ``routing()``)
     routing_records: list[dict[str, Any]] = field(default_factory=list)
+    # training hygiene (lab.run.training_hygiene): each step's lr, and each step a spike guard skipped
+    lrs: list[float] = field(default_factory=list)
+    spikes: list[dict[str, Any]] = field(default_factory=list)  # SpikeEvent dicts: step, loss, median, reason, action
 
     @property
     def world_size(self) -> int:
@@ -96,9 +100,10 @@ class RunResult:
         return len(self.step_times)
 
     def matches(self, other: "RunResult", rtol: float = 1e-4) -> bool:
-        """True when every step's loss equals ``other``'s within ``rtol``."""
+        """True when every step's loss equals ``other``'s within ``rtol`` (a NaN matches a NaN: a poisoned step)."""
         return len(self.losses) == len(other.losses) and all(
-            math.isclose(a, b, rel_tol=rtol) for a, b in zip(self.losses, other.losses))
+            math.isclose(a, b, rel_tol=rtol) or math.isnan(a) and math.isnan(b)
+            for a, b in zip(self.losses, other.losses))
 
     def loss_table(self, other: "RunResult | None" = None) -> str:
         """Step, loss (and the other run's loss beside it) as aligned text."""

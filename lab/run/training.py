@@ -20,11 +20,17 @@ the model, the optimizer and the data position there between cells:
   last complete save with ``Training.load``; ``checkpoint_async=True`` writes them in the
   background (``dcp.async_save``, as an Experiment's), and ``step()`` returns once the last
   one is complete;
+- ``grad_clip``, ``lr_schedule``, ``shuffle``, ``spike_guard`` as an Experiment's (``lab.run.training_hygiene``):
+  the schedule goes on at the global step, and the guard's window lives on the ranks between calls;
 - ``save(path)`` writes a checkpoint (``kernels.checkpoint.save_load``: any layout loads it, an
   ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
   builds a Training from one, under the saved layout or another;
 - ``close()`` frees the ranks' objects and groups (so does any failure that rebuilds
-  the world; a later call then says the training is gone).
+  the world; a later call then says the training is gone);
+- ``auto_resume=True`` (with ``checkpoint_dir``/``checkpoint_every``): after a death or a hang
+  (``hang_after=``) in ``step()``, the pool's spare takes the lost rank's place and the training goes
+  on from its last complete checkpoint (``lab.run.auto_resume``); ``faults=`` strike at global steps;
+  ``on_event=`` hears of hangs, deaths, spikes, resumes and finishes (``lab.run.events``).
 
 The layout may use fewer ranks than the pool has (``parallel.world_size`` of them, the
 first ones); the others hold nothing.
@@ -35,6 +41,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,9 +52,13 @@ from kernels.model.family import ModelConfig, model_config
 from kernels.contract.run_config import RunConfig
 from lab.pool.cluster import Cluster
 from lab.errors import LabError, RankError
+from lab.pool.hang_report import HangWatch
+from lab.run.auto_resume import AutoResume, resume_problems, split_options
 from lab.run.experiment import Experiment
+from lab.run.faults import fault_records, poison_records
 from lab.run.parallel import Parallel, ParallelConfigError
 from lab.run.run_result import RunResult
+from lab.run.training_hygiene import saved_hygiene
 
 
 @dataclass(frozen=True)
@@ -69,23 +80,38 @@ class Training:
                  lr: float = 1e-2, optimizer: str = "adamw", seed: int = 0, trace: bool = False,
                  synthetic_forward_s: float | None = None, measure: bool = False, compile: bool = False,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-                 checkpoint_async: bool = False, data: Any = None) -> None:
+                 checkpoint_async: bool = False, data: Any = None, auto_resume: bool = False,
+                 faults: Sequence[Any] = (), hang_after: float | None = None, on_event: Any = None,
+                 grad_clip: float | None = None, lr_schedule: Any = None, shuffle: bool | None = None,
+                 spike_guard: Any = None) -> None:
         self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
-                                                   data=data,
+                                                   data=data, auto_resume=auto_resume, faults=faults,
+                                                   grad_clip=grad_clip, lr_schedule=lr_schedule, shuffle=shuffle,
+                                                   spike_guard=spike_guard,
+                                                   hang_after=hang_after, on_event=on_event,
                                                    trace=trace, synthetic_forward_s=synthetic_forward_s,
                                                    measure=measure, compile=compile,
                                                    checkpoint_dir=_absolute(checkpoint_dir),
                                                    checkpoint_every=checkpoint_every,
                                                    checkpoint_async=checkpoint_async))
-        self._open(self.experiment.run_config())
+        self._open(replace(self.experiment.run_config(), faults=fault_records(self._resume.faults),
+                           poison=poison_records(self._resume.faults)))
 
     def _setup(self, cluster: Cluster, model: ModelConfig, parallel: Parallel, options: dict[str, Any]) -> None:
         """The driver's side: checked (nothing reaches the ranks when a rule is broken), at step 0."""
+        options, own = split_options(options)  # auto_resume and faults: the Training's, not its runs'
         self.cluster, self._options = cluster, options
         self.key = f"training-{uuid.uuid4().hex[:12]}"  # the ranks' registry key of this training
         self.losses: list[float] = []  # every step's, as far as known (an Experiment's checkpoint keeps none)
         self.steps_done = 0  # optimizer steps taken so far: the next step() trains global step steps_done first
-        self.experiment = self._experiment(model, parallel, options)
+        problems = resume_problems(own, options, parallel.world_size if isinstance(parallel, Parallel) else None)
+        try:
+            self.experiment = self._experiment(model, parallel, options)
+        except ParallelConfigError as error:  # one error naming every rule broken
+            raise ParallelConfigError(error.problems + problems) from None
+        if problems:
+            raise ParallelConfigError(problems)
+        self._resume = AutoResume(**own)  # lab.run.auto_resume: its faults, its known checkpoint
 
     @property
     def model(self) -> ModelConfig:
@@ -108,7 +134,8 @@ class Training:
     def _run_config(self, steps: int) -> RunConfig:
         run = self.experiment.run_config()
         size = self.parallel.world_size
-        return replace(run, steps=steps, world_size=size if size < self.cluster.world_size else None)
+        return replace(run, steps=steps, world_size=size if size < self.cluster.world_size else None,
+                       faults=fault_records(self._resume.faults), poison=poison_records(self._resume.faults))
 
     def _open(self, run: RunConfig) -> None:
         self.cluster.run(live_training.open_training, self.key, run.to_dict(), next_step=self.steps_done,
@@ -171,24 +198,44 @@ class Training:
                         dict(global_batch=saved.global_batch, lr=saved.lr, optimizer=str(saved.optimizer),
                              seed=saved.seed, data=saved.data,
                              checkpoint_dir=_absolute(checkpoint_dir), checkpoint_every=checkpoint_every,
-                             checkpoint_async=checkpoint_async, **options))
-        meta = training._call(live_training.load_training, training.key, training._run_config(1).to_dict(),
-                              str(found))[0]
-        training.losses = list(meta.get("losses", []))
-        training.steps_done = int(meta["step"])
+                             checkpoint_async=checkpoint_async,
+                             **{**saved_hygiene(saved), **options}))
+        training._reload(found)
+        training._resume.point = (training.steps_done, found)  # auto_resume can go back to it
         return training
+
+    def _reload(self, path: Path | None) -> None:
+        """Build this training on the ranks from checkpoint ``path`` (None: afresh, at step 0), standing there."""
+        if path is None:
+            self.losses, self.steps_done = [], 0
+            return self._open(self._run_config(1))
+        meta = self._call(live_training.load_training, self.key, self._run_config(1).to_dict(), str(path))[0]
+        self.losses, self.steps_done = list(meta.get("losses", [])), int(meta["step"])
 
     def step(self, n: int = 1, *, timeout: float | None = None, return_params: bool = False,
              wait: bool = True) -> RunResult:
         """Train ``n`` more steps on the held state; returns those steps' RunResult (losses of these steps only).
 
         ``wait=False`` raises ``lab.PoolBusyError`` while a started run trains, instead of waiting for it.
+        With ``auto_resume``, a death or hang goes back to the last complete checkpoint and trains on
+        (``lab.run.auto_resume``); the result then holds the steps after the last resume.
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive int (steps to train), got {n!r}")
+        call = dict(timeout=timeout, return_params=return_params, wait=wait)
+        result = self._resume.step(self, n, **call) if self._resume.enabled else self._advance(n, **call)
+        self.experiment.events.finished(result)
+        return result
+
+    def _advance(self, n: int, *, timeout: float | None, return_params: bool, wait: bool) -> RunResult:
+        """Train ``n`` steps on the ranks, watched (``hang_after``); a failure is told to ``on_event`` and raised."""
         cfg = self._run_config(n).to_dict()
-        per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout,
-                              wait=wait)
+        try:
+            per_rank = self._call(live_training.advance, self.key, n, return_params=return_params, timeout=timeout,
+                                  wait=wait, hang_watch=HangWatch(self.cluster, self.experiment.hang_after))
+        except RankError as error:
+            self.experiment.events.failure(error)
+            raise
         first = per_rank[0]["first_step"]
         if first != self.steps_done:
             raise LabError(f"the ranks stood at step {first}, the driver at {self.steps_done}: the training was "
@@ -244,4 +291,6 @@ def saved_layout(run: RunConfig) -> Parallel:
         parallel = replace(parallel, microbatches=s.microbatches)
     if s.pp > 1 and s.stages_per_rank != parallel.num_stages_per_rank:
         parallel = replace(parallel, stages_per_rank=s.stages_per_rank)
+    if s.stage_layers is not None:  # last: its length is checked against the stage count set above
+        parallel = replace(parallel, stage_layers=s.stage_layers)
     return parallel
