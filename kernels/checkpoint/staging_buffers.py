@@ -21,9 +21,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
+from kernels.parallel.mesh import local_part
 
 
 def _pairs(fresh: Any, staged: Any, out: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -35,7 +33,7 @@ def _pairs(fresh: Any, staged: Any, out: list[tuple[torch.Tensor, torch.Tensor]]
     if isinstance(fresh, torch.Tensor):
         if type(fresh) is not type(staged) or (isinstance(fresh, DTensor) and fresh.placements != staged.placements):
             return False
-        source, buffer = _local(fresh), _local(staged)
+        source, buffer = local_part(fresh), local_part(staged)
         if source.shape != buffer.shape or source.dtype != buffer.dtype:
             return False
         out.append((source, buffer))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.contract.config_rules import Problem, is_int
-from kernels.contract.records import Record, RecordShapeError
+from kernels.contract.records import Record
 
 TOKEN_SUFFIXES = (".npy", ".pt")
 TASKS = ("modular_addition",)
@@ -51,10 +51,7 @@ class DataSpec(Record):
     modulus: int | None = None  # modular_addition: p
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", DataKind(self.kind))
-        except ValueError:
-            raise RecordShapeError(f"DataSpec: kind {self.kind!r} is not one of {', '.join(DataKind)}") from None
+        self._enum_field("kind", DataKind)
         object.__setattr__(self, "paths", tuple(self.paths))
 
     def describe(self) -> str:

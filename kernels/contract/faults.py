@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kernels.contract.records import Record, RecordShapeError
+from kernels.contract.records import Record
 
 
 class FaultKind(enum.StrEnum):
@@ -32,10 +32,7 @@ class Fault(Record):
     at_step: int | None = None  # HANG, CRASH and KILL: the step (from 0) whose first forward it strikes in
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", FaultKind(self.kind))
-        except ValueError:
-            raise RecordShapeError(f"Fault: kind {self.kind!r} is not one of {', '.join(FaultKind)}") from None
+        self._enum_field("kind", FaultKind)
 
     def describe(self) -> str:
         """ "Slow(rank=2, factor=2.0)", "Hang(rank=1, at_step=2)": as the user wrote it."""
@@ -63,10 +60,7 @@ class Poison(Record):
     scale: float = 100.0  # SPIKE only
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", PoisonKind(self.kind))
-        except ValueError:
-            raise RecordShapeError(f"Poison: kind {self.kind!r} is not one of {', '.join(PoisonKind)}") from None
+        self._enum_field("kind", PoisonKind)
 
     @property
     def multiplier(self) -> float:

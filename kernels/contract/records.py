@@ -16,6 +16,7 @@ publishes), ``ps_records`` (the parameter server's spans); the run's own config 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
@@ -59,6 +60,15 @@ class Record:
         if isinstance(value, list):
             return tuple(inner.coerce(v) for v in value) if inner is not None else tuple(value)
         return value
+
+    def _enum_field(self, name: str, kind: type[enum.StrEnum]) -> None:
+        """Set field ``name`` to its member of ``kind`` (JSON and people give the value); a value that is none
+        of them raises ``RecordShapeError`` naming the record, the field and the choices."""
+        value = getattr(self, name)
+        try:
+            object.__setattr__(self, name, kind(value))
+        except ValueError:
+            raise RecordShapeError(f"{type(self).__name__}: {name} {value!r} is not one of {', '.join(kind)}") from None
 
     @classmethod
     def coerce(cls: type[T], item: Any) -> T:

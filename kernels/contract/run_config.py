@@ -78,11 +78,9 @@ class RunConfig(Record):
     _nested: ClassVar[dict[str, type[Record]]] = {"faults": Fault, "poison": Poison}
 
     def __post_init__(self) -> None:
-        if isinstance(self.strategy, Mapping):  # read back from JSON: the Strategy checks itself on the rank
-            object.__setattr__(self, "strategy", Strategy.from_dict(self.strategy))
-        if isinstance(self.data, Mapping):
-            object.__setattr__(self, "data", DataSpec.from_dict(self.data))
-        for name, record in (("lr_schedule", LRSchedule), ("spike_guard", SpikeGuard)):
+        # Read back from JSON, each nested record is a dict: rebuilt here, it checks itself (the Strategy on the rank).
+        for name, record in (("strategy", Strategy), ("data", DataSpec), ("lr_schedule", LRSchedule),
+                             ("spike_guard", SpikeGuard)):
             if isinstance(getattr(self, name), Mapping):
                 object.__setattr__(self, name, record.from_dict(getattr(self, name)))
         problems = run_problems(self)

@@ -38,7 +38,7 @@ from typing import Any
 from kernels.contract import config_rules
 from kernels.contract.config_rules import ConfigError, Problem
 from kernels.contract.layout_combinations import combination_problems, reshard_field_problems
-from kernels.contract.records import Record, RecordShapeError
+from kernels.contract.records import Record
 from kernels.contract.layout_rules import (MESH_AXES, Schedule, canonical_schedule, default_microbatches,
                                            default_stages_per_rank, hsdp_split, mesh_order_problems, reshard_units,
                                            zero_stage)
@@ -88,11 +88,7 @@ class Strategy(Record):
 
     def __post_init__(self) -> None:
         # A record read back from JSON has strings and lists; the ranks check it as the driver did.
-        try:
-            object.__setattr__(self, "grad_sync", GradSync(self.grad_sync))
-        except ValueError:
-            raise RecordShapeError(f"Strategy: grad_sync {self.grad_sync!r} is not one of "
-                                   f"{', '.join(GradSync)}") from None
+        self._enum_field("grad_sync", GradSync)
         if self.schedule is not None:
             object.__setattr__(self, "schedule", _schedule(self.schedule))
         object.__setattr__(self, "mesh_order", tuple(self.mesh_order))

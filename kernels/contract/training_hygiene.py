@@ -28,7 +28,7 @@ from typing import Any
 
 from kernels.contract.config_rules import Problem, is_int, is_real
 from kernels.contract.data_spec import DataKind
-from kernels.contract.records import Record, RecordShapeError
+from kernels.contract.records import Record
 
 # Data kinds with a finite number of samples, which epochs permute (or keep in order).
 FINITE_DATA = (DataKind.TOKENS, DataKind.TEXT)
@@ -56,10 +56,7 @@ class LRSchedule(Record):
     code: str | None = None  # function: the callable, cloudpickled by value, base64
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", ScheduleKind(self.kind))
-        except ValueError:
-            raise RecordShapeError(f"LRSchedule: kind {self.kind!r} is not one of {', '.join(ScheduleKind)}") from None
+        self._enum_field("kind", ScheduleKind)
 
     def describe(self) -> str:
         """One line: "warm-up 2 steps, cosine to 0.1 at step 10", "StepLR(step_size=2, gamma=0.5)", "your function"."""

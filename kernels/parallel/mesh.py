@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from kernels.contract.layout_rules import MESH_AXES, coords, mesh_order_problems
 
@@ -155,6 +156,12 @@ def pp_rank(mesh: DeviceMesh) -> int:
 
 def pp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mesh.get_group("pp")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own tensor: a DTensor's local shard (outside grad mode, the shard itself, so in-place
+    work on it lands in the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:

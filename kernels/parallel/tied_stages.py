@@ -21,11 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from kernels.parallel.mesh import local_part
 
 
 class TiedGrads:
@@ -38,7 +35,7 @@ class TiedGrads:
         self.params = [p for stage in stages for p in getattr(stage, "tied_copies", lambda: [])()]
         self.group, self.device = pp_group, device
         shapes: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(shapes, tuple(_local(self.params[0]).shape) if self.params else None, group=pp_group)
+        dist.all_gather_object(shapes, tuple(local_part(self.params[0]).shape) if self.params else None, group=pp_group)
         self.shape = next(s for s in shapes if s is not None)
 
     @property
@@ -55,8 +52,8 @@ class TiedGrads:
         total = torch.zeros(self.shape, device=self.device)
         for p in self.params:
             if p.grad is not None:
-                total += _local(p.grad)
+                total += local_part(p.grad)
         dist.all_reduce(total, group=self.group)
         for p in self.params:
             if p.grad is not None:
-                _local(p.grad).copy_(total)
+                local_part(p.grad).copy_(total)

@@ -58,6 +58,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from kernels.parallel.mesh import local_part
+
 
 def slice_bounds(n: int, dp: int, dp_rank: int) -> tuple[int, int]:
     """[start, end) of the flat elements dp rank ``dp_rank`` of ``dp`` owns in a tensor of ``n``: chunks of
@@ -67,18 +69,13 @@ def slice_bounds(n: int, dp: int, dp_rank: int) -> tuple[int, int]:
     return start, min(start + c, n)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own tensor: a DTensor's local shard (outside grad mode, the shard itself), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class OwnedSlice:
     """One parameter's slice that this dp rank steps: ``view`` is (end - start,), a view of the local shard's storage."""
 
     def __init__(self, param: nn.Parameter, dp_rank: int, dp: int) -> None:
         self.param, self.dp = param, dp
         with torch.no_grad():
-            local = _local(param)
+            local = local_part(param)
             self.local_shape = local.shape
             self.flat = local.detach().view(-1)  # (n,): the parameter's own storage, so updates land in it
         self.padded = math.ceil(self.flat.numel() / dp)  # c: what each rank sends in the all-gather
@@ -88,7 +85,7 @@ class OwnedSlice:
     def take_gradient(self) -> None:
         """Point the slice's ``.grad`` at its part of the parameter's (dp-averaged) gradient, or None without one."""
         grad = self.param.grad
-        self.view.grad = None if grad is None else _local(grad).reshape(-1)[self.start:self.end]
+        self.view.grad = None if grad is None else local_part(grad).reshape(-1)[self.start:self.end]
 
     def gathered(self, piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """Every dp rank's ``piece`` (slice-shaped: the slice itself, or its optimizer state) in rank order, (n,)."""
@@ -111,7 +108,7 @@ class OwnedSlice:
         p = self.param
         if isinstance(value, DTensor) and isinstance(p, DTensor) and value.placements != p.placements:
             value = value.redistribute(p.device_mesh, p.placements)  # saved or loaded with other placements
-        return _local(value).reshape(-1)[self.start:self.end].clone()
+        return local_part(value).reshape(-1)[self.start:self.end].clone()
 
 
 class Zero1SliceOptimizer(torch.optim.Optimizer):

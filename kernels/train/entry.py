@@ -112,10 +112,9 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         if build.idle:  # beyond world_size: no part in this run
             return {"losses": [], "grad_norms": [], "step_times": [], "params": {},
                     "layout": {"rank": dist.get_rank(), "strategy": "idle"}}
-        if not (run.watch_collectives or run.faults):
+        watch = build.watch()
+        if watch is None:
             return _train(build)
-        synthetic = run.synthetic_forward_s if build.dims.pp == 1 else None  # with pp the tracer pads actions
-        watch = RankWatch([build.mesh, build.dp_mesh], run.faults, synthetic)
         with watch.patched():
             out = _train(build, watch)
             out["waits"] = [w.to_dict() for w in watch.finish()]

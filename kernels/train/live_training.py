@@ -40,7 +40,6 @@ from kernels.contract.run_config import RunConfig
 from kernels.contract.strategy import resolve_strategy
 from kernels.train.step_hooks import StepHooks
 from kernels.train.train_loop import train_loop
-from kernels.watch.rank_watch import RankWatch
 
 
 class TrainingGoneError(RuntimeError):
@@ -81,7 +80,7 @@ class LiveTraining:
         probe, tracer = build.probes()
         self.checkpoints.segment(first, first + steps, self.losses)
         self.update.seek(first, self.losses)  # a new layout or a load: the schedule and the guard's window follow
-        batches, watch = build.batches(first, steps), self._watch()
+        batches, watch = build.batches(first, steps), build.watch()
         with watch.patched() if watch is not None else contextlib.nullcontext():
             if watch is not None:  # as train_rank watches: collectives published, faults struck at global steps
                 build.attach(watch)
@@ -103,13 +102,6 @@ class LiveTraining:
         if tracer is not None:
             out["trace"] = build.trace_record(tracer)
         return out
-
-    def _watch(self) -> RankWatch | None:
-        """The run's ``RankWatch`` when it asks to be watched or carries faults (as ``train_rank`` decides)."""
-        if not (self.run.watch_collectives or self.run.faults):
-            return None
-        synthetic = self.run.synthetic_forward_s if self.build.dims.pp == 1 else None  # with pp the tracer pads
-        return RankWatch([self.build.mesh, self.build.dp_mesh], self.run.faults, synthetic)
 
     def save(self, path: str, meta: dict[str, Any], *, optimizer_settings: bool = True) -> None:
         """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``), where the run stands."""

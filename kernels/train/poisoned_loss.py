@@ -33,6 +33,15 @@ class PoisonedLoss:
         return value if multiplier is None else value * multiplier
 
 
+def poisoned(loss: Callable[..., torch.Tensor],
+             poison: tuple[Poison, ...]) -> tuple[Callable[..., torch.Tensor], PoisonedLoss | None]:
+    """(the loss a run calls, its ``PoisonedLoss`` or None): ``loss`` itself when no step is poisoned."""
+    if not poison:
+        return loss, None
+    wrapped = PoisonedLoss(loss, poison)
+    return wrapped, wrapped
+
+
 if __name__ == "__main__":
     logits, targets = torch.randn(2, 4, 8), torch.randint(0, 8, (2, 4))
 

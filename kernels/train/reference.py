@@ -30,7 +30,7 @@ from kernels.model.family import build_model, model_config, model_loss
 from kernels.model.moe import scale_aux_gradient
 from kernels.model.moe_routing import RoutingLog
 from kernels.train.optimizer import build_optimizer
-from kernels.train.poisoned_loss import PoisonedLoss
+from kernels.train.poisoned_loss import poisoned
 from kernels.train.update_rules import UpdateRules, torch_clip
 from kernels.parallel.autocast import apply_autocast
 from kernels.contract.run_config import RunConfig
@@ -91,11 +91,10 @@ def _update_rules(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim
                   first: int) -> tuple[Any, UpdateRules]:
     """The run's loss (poisoned at ``lab.PoisonBatch``'s steps, as on the ranks) and its update rules from step
     ``first``: the spike guard, ``clip_grad_norm_`` itself and the lr schedule (``kernels.train.update_rules``)."""
-    loss_fn = model_loss(model_config(run))
-    poison = PoisonedLoss(loss_fn, run.poison) if run.poison else None
+    loss_fn, poison = poisoned(model_loss(model_config(run)), run.poison)
     update = UpdateRules(optimizer, run, torch_clip(list(model.parameters())), poison)
     update.seek(first)
-    return poison or loss_fn, update
+    return loss_fn, update
 
 
 def resume_point(run: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -41,9 +41,10 @@ from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
 from kernels.train.step_hooks import PipelineTracer
-from kernels.train.poisoned_loss import PoisonedLoss
+from kernels.train.poisoned_loss import poisoned
 from kernels.train.train_loop import FlatStep, PipelineStep, average_gradients
 from kernels.train.update_rules import UpdateRules, clip_to_norm
+from kernels.watch.rank_watch import RankWatch
 
 
 def dims_and_strategy(run: RunConfig, world_size: int) -> tuple[ParallelDims, Strategy]:
@@ -107,8 +108,7 @@ class RankBuild:
         self.model = self.pipe = self.params_module = self.optimizer = None  # an idle rank holds nothing
         self.routing: RoutingLog | None = None  # each MoE layer's routing per step (no layers: a dense model)
         # lab.PoisonBatch: the loss the layout calls, poisoned at the run's chosen steps (kernels.train.poisoned_loss)
-        self.poison = PoisonedLoss(model_loss(model_config(run)), run.poison) if run.poison else None
-        self.loss = self.poison or model_loss(model_config(run))
+        self.loss, self.poison = poisoned(model_loss(model_config(run)), run.poison)
         if not self.idle:
             self._build_pipeline() if self.dims.pp > 1 else self._build_flat()
             ep_rank = self.ep_mesh.get_local_rank("ep") if self.ep_mesh is not None else 0
@@ -242,6 +242,14 @@ class RankBuild:
             clip_to_norm(self.params_module, norm, max_norm)
             return norm
         return UpdateRules(self.optimizer, self.run, clip, self.poison)
+
+    def watch(self) -> RankWatch | None:
+        """The run's ``RankWatch`` (collectives published, faults struck) when it asks to be watched or carries
+        faults, else None: one decision for a one-call run and a held training alike."""
+        if not (self.run.watch_collectives or self.run.faults):
+            return None
+        synthetic = self.run.synthetic_forward_s if self.dims.pp == 1 else None  # with pp the tracer pads actions
+        return RankWatch([self.mesh, self.dp_mesh], self.run.faults, synthetic)
 
     def after_step(self, first: int, then: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
         """``train_loop``'s ``on_step`` for a segment that starts at step ``first``: close the step's routing records

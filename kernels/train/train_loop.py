@@ -47,6 +47,7 @@ from kernels.model.gpt import loss_fn
 from kernels.model.moe import scale_aux_gradient
 from kernels.parallel import pipeline
 from kernels.parallel.ddp import sync_gradients
+from kernels.parallel.mesh import local_part
 from kernels.parallel.p2p_staging import needs_staging, staged_p2p
 from kernels.parallel.tensor_parallel import loss_context
 from kernels.parallel.tied_stages import TiedGrads
@@ -248,13 +249,13 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad = local_part(p.grad)
                 dist.all_reduce(grad, group=group)
                 grad /= n
 
 
 def _grad_bytes(model: nn.Module) -> int:
     """Bytes of this rank's local gradients: what ``average_gradients`` all-reduces."""
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in model.parameters())
+    grads = [local_part(g) for g in (p.grad for p in model.parameters())
              if g is not None]
     return sum(g.numel() * g.element_size() for g in grads)

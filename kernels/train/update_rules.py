@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from kernels.contract.run_config import RunConfig
+from kernels.parallel.mesh import local_part
 from kernels.train.lr_schedule import ScheduledLR
 from kernels.train.poisoned_loss import PoisonedLoss
 from kernels.train.spike_guard import LossGuard
@@ -46,7 +46,7 @@ def clip_to_norm(module: nn.Module, norm: torch.Tensor, max_norm: float) -> None
     with torch.no_grad():
         for p in module.parameters():
             if p.grad is not None:  # outside grad mode to_local() is the shard itself: scaled in place
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad = local_part(p.grad)
                 grad.mul_(coef.to(grad.device, grad.dtype))
 
 
