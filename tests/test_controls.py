@@ -6,6 +6,7 @@ import pytest
 import lab
 from lab.run.controls import Controls
 from tests.conftest import start_pool
+from tests.test_static_figures import png_size
 
 TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 
@@ -45,9 +46,13 @@ def test_run_keeps_trace_and_measure_so_the_timeline_and_memory_views_follow(clu
                          trace=True, synthetic_forward_s=0.002, measure=True)
     controls = Controls(exp)
     assert controls.timeline.layout.display == "none"  # nothing recorded yet: hidden, not empty
+    before = png_size(controls._repr_mimebundle_()[0])
     result = controls.run()
     assert result.events and result.memory_records
     assert controls.timeline.layout.display is None and controls.memory.layout.display is None
+    data, _ = controls._repr_mimebundle_()  # read without a kernel: the form, then the three views, as one figure
+    assert png_size(data)[1] > before[1] + 300 and "not run yet" not in data["text/plain"]
+    assert "object at 0x" not in data["text/plain"] and "application/vnd.jupyter.widget-view+json" in data
     assert sorted(controls.timeline.ranks) == [0, 1, 2, 3] and controls.timeline.bubble["pp"] == 2
     assert controls.memory.ranks == [0, 1, 2, 3]
     assert controls.memory.strip["ranks"] == [0, 1, 2, 3]  # memory over the traced step

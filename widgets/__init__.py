@@ -4,7 +4,9 @@ The record shapes are ``kernels.contract.records`` (standard library only): each
 records or their ``to_dict()`` dicts, and checks dicts with ``from_dict``, so a record of
 another shape fails with the record's name and the key.
 
-Each view is an anywidget (live, in a notebook) with a matplotlib twin for static output:
+Each view is an anywidget (live, in a notebook) with a matplotlib twin for static output; its display bundle
+also carries the twin's PNG of its current state (``widgets.static_figure``), what a notebook read without a
+kernel shows:
 
 - ``ClusterView(ranks)`` / ``plot_cluster(ranks)``: RankStatus, one card per rank;
 - ``CollectiveView(records)`` / ``plot_collective(records, op)``: CollectiveRecord from

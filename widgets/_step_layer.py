@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 import anywidget
 import traitlets
 
+from widgets.static_figure import StaticFigure
+
 
 def model_order(layer: str) -> tuple:
     """Sort key putting ``blocks.2`` before ``blocks.10`` (numbers compared as numbers)."""
@@ -36,12 +38,13 @@ def choose(records: Sequence[Any], step: int | None, layer: str | None) -> dict[
     return {"step": chosen, "layer": layer, "steps": steps, "layers": layers, "rows": rows}
 
 
-class StepLayerView(anywidget.AnyWidget):
+class StepLayerView(StaticFigure, anywidget.AnyWidget):
     """A widget showing ``derive(records, step, layer)`` for the chosen pair; subclasses name the record type,
-    ``derive`` and their front end."""
+    ``derive``, its matplotlib ``twin`` and their front end."""
 
     record_type: ClassVar[type]  # the record type the input is checked against (records or their dicts)
     derive: ClassVar[Callable[[Sequence[Any], int | None, str | None], dict[str, Any]]]
+    twin: ClassVar[Callable[[Sequence[Any], int | None, str | None], Any]]  # the static figure of one pair
 
     step = traitlets.Int(None, allow_none=True).tag(sync=True)  # the browser's selectors write these two
     layer = traitlets.Unicode(None, allow_none=True).tag(sync=True)
@@ -60,3 +63,15 @@ class StepLayerView(anywidget.AnyWidget):
             self.view = type(self).derive(self._records, self.step, self.layer)
         except ValueError as e:  # a pair the records lack: said on screen, beside the selectors
             self.view = {"error": str(e), "steps": self.view.get("steps", []), "layers": self.view.get("layers", [])}
+
+    def static_figure(self) -> Any:
+        """The twin of the pair shown."""
+        if not self._records or "error" in self.view:  # nothing, or a pair the records lack: said in the text
+            return None
+        return type(self).twin(self._records, self.step, self.layer)
+
+    def static_text(self) -> str:
+        """The pair shown and its check, in words (the header of the view)."""
+        if "error" in self.view:
+            return self.view["error"]
+        return f"step {self.step} · {self.layer}: {self.view['header']}" if self._records else "no records"

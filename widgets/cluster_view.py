@@ -14,6 +14,7 @@ import traitlets
 
 from kernels.contract.pool_records import RankStatus
 from widgets._esm import view_module
+from widgets.static_figure import StaticFigure
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 STATES = ("idle", "busy", "failed", "dead")
@@ -38,7 +39,7 @@ def _summary(ranks: list[dict[str, Any]]) -> str:
     return f"{len(ranks)} ranks on {len(hosts)} host{'s' if len(hosts) != 1 else ''}: " + ", ".join(counts)
 
 
-class ClusterView(anywidget.AnyWidget):
+class ClusterView(StaticFigure, anywidget.AnyWidget):
     """A grid of rank cards: ``.cl-rank`` per rank with ``data-state``; red when failed or dead."""
 
     _esm = view_module("cluster_view.js")
@@ -58,6 +59,14 @@ class ClusterView(anywidget.AnyWidget):
         with self.hold_sync():  # one update message
             self.summary = _summary(rows)
             self.ranks = rows
+
+    def static_figure(self) -> Any:
+        """``plot_cluster`` of the ranks shown."""
+        return plot_cluster(self.ranks) if self.ranks else None
+
+    def static_text(self) -> str:
+        """e.g. "4 ranks on 1 host: 3 idle, 1 busy"."""
+        return self.summary if self.ranks else "no ranks"
 
 
 def plot_cluster(ranks: list[Any]):

@@ -16,11 +16,12 @@ import traitlets
 
 from widgets._esm import view_module
 from widgets._ring import _cells_at, _collective_view, _flat
+from widgets.static_figure import StaticFigure
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
 
-class CollectiveView(anywidget.AnyWidget):
+class CollectiveView(StaticFigure, anywidget.AnyWidget):
     """Play/step through all_reduce, all_gather, reduce_scatter, broadcast and send/recv."""
 
     _esm = view_module("collective_view.js")
@@ -67,6 +68,19 @@ class CollectiveView(anywidget.AnyWidget):
     def ok(self) -> bool:
         """True when every op's ring twin ends with the ranks' real outputs."""
         return all(v["ok"] for v in self.ops)
+
+    def static_figure(self) -> Any:
+        """``plot_collective`` of the op on screen, every ring step at once."""
+        return plot_collective(self.records, self.op) if self.ops else None
+
+    def static_text(self) -> str:
+        """The op on screen, its ranks, and whether the ring twin ends with the real outputs."""
+        view = self.current()
+        if not view:
+            return "no collective records"
+        check = "the ring twin ends with the real outputs" if view["ok"] else "MISMATCH: " + view["mismatch"]
+        return f"{self.op} on {view['world']} ranks, ring step by step ({check}); ops recorded: " + \
+            ", ".join(v["op"] for v in self.ops)
 
 
 def plot_collective(records: list[Any], op: str = "all_reduce"):

@@ -127,6 +127,7 @@ class ExpertRouting(StepLayerView):
     _css = _STATIC / "expert_routing.css"
     record_type = RoutingStep
     derive = staticmethod(routing_view)
+    twin = staticmethod(lambda records, step, layer: plot_routing(records, step, layer))  # plot_routing comes below
 
 
 def plot_routing(records: Sequence[Any], step: int | None = None, layer: str | None = None):

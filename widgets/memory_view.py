@@ -23,6 +23,7 @@ import traitlets
 from kernels.contract.measure_records import MemoryRecord
 from widgets._esm import view_module
 from widgets._memory_strip import draw_strip, fmt_bytes, strip_state
+from widgets.static_figure import StaticFigure
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state", "activations": "activations",
@@ -84,7 +85,7 @@ def _memory_state(records: Any) -> dict[str, Any]:
     return {"ranks": ranks, "moments": moments, "categories": list(CATEGORIES), "bars": bars, "scale": scale}
 
 
-class MemoryView(anywidget.AnyWidget):
+class MemoryView(StaticFigure, anywidget.AnyWidget):
     """Stacked bars per rank for one moment (``.cl-mem-moment`` buttons switch), measured beside predicted."""
 
     _esm = view_module("memory_strip.js", "memory_view.js")
@@ -102,16 +103,33 @@ class MemoryView(anywidget.AnyWidget):
         state = _memory_state(records or [])
         if state["moments"] and moment not in state["moments"]:
             raise ValueError(f"moment {moment!r} not in the records; have {state['moments']}")
+        self._drawn = (records or [], timeline)  # what plot_memory draws the static figure from
         super().__init__(**state, moment=moment, strip=strip_state(timeline), **kwargs)
 
     def update(self, records: Any, timeline: Any = None) -> None:
         """Show another run's records (one message); the moment stays if the new records have it."""
         state = {**_memory_state(records), "strip": strip_state(timeline)}
+        self._drawn = (records, timeline)
         with self.hold_sync():
             for key, value in state.items():
                 setattr(self, key, value)
             if state["moments"] and self.moment not in state["moments"]:
                 self.moment = state["moments"][0]
+
+    def static_figure(self) -> Any:
+        """``plot_memory`` at the moment shown, with the over-time strip where there is one."""
+        records, timeline = self._drawn
+        return plot_memory(records, self.moment, timeline) if self.moments or self.strip.get("rows") else None
+
+    def static_text(self) -> str:
+        """The moment, the ranks and the largest total measured beside its prediction."""
+        bars = self.bars.get(self.moment, [])
+        if not bars:
+            return "memory over the traced step, per rank" if self.strip.get("rows") else "no memory records"
+        top = max(bars, key=lambda b: b["total"])
+        predicted = "" if top["predicted_total"] is None else f", predicted {fmt_bytes(top['predicted_total'])}"
+        return (f"memory per rank and category at {self.moment}, {len(bars)} ranks: largest measured "
+                f"{fmt_bytes(top['total'])} on rank {top['rank']}{predicted}")
 
 
 BINARY_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))

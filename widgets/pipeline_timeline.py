@@ -29,12 +29,13 @@ import traitlets
 
 from widgets._esm import view_module
 from widgets._gallery import parts_words
+from widgets.static_figure import StaticFigure
 from widgets._timeline import KINDS, LEGEND_ORDER, SHADES, _timeline_state
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
 
-class PipelineTimeline(anywidget.AnyWidget):
+class PipelineTimeline(StaticFigure, anywidget.AnyWidget):
     """Lanes of F/B/I/W boxes per rank (``.cl-lane`` / ``.cl-box``, labelled with micro-batch and chunk),
     idle gaps (``.cl-idle``), p2p and collectives cut into waiting (``.cl-wait``) and moving data
     (``.cl-transfer``), a play/scrub replay in event order, the bubble beside theory and a planned overlay."""
@@ -58,10 +59,12 @@ class PipelineTimeline(anywidget.AnyWidget):
 
     def __init__(self, events: Any = None, bubble: Any = None, planned: dict | None = None, *,
                  step: int | None = None, **kwargs: Any) -> None:
+        self._drawn = (events or [], bubble, step)  # what plot_timeline draws the static figure from
         super().__init__(**_timeline_state(events or [], bubble, planned, step), **kwargs)
 
     def update(self, events: Any, bubble: Any = None, planned: dict | None = None, *, step: int | None = None) -> None:
         """Show another step or run (one message)."""
+        self._drawn = (events, bubble, step)
         with self.hold_sync():
             for key, value in _timeline_state(events, bubble, planned, step).items():
                 setattr(self, key, value)
@@ -70,6 +73,17 @@ class PipelineTimeline(anywidget.AnyWidget):
     def seek(self, ms: float) -> None:
         """Show only what started by ``ms`` (negative: everything)."""
         self.cursor_ms = float(ms)
+
+    def static_figure(self) -> Any:
+        """``plot_timeline`` of the step shown (the whole step, whatever the replay cursor)."""
+        events, bubble, step = self._drawn
+        return plot_timeline(events, bubble, step=step) if self.events.get("rank") else None
+
+    def static_text(self) -> str:
+        """The ranks and the bubble line: measured beside theory."""
+        if not self.events.get("rank"):
+            return "no trace events"
+        return f"{len(self.ranks)} ranks, one traced step: " + _bubble_text(self.bubble, self.span_ms).split("\n")[0]
 
 
 def _bubble_text(b: dict[str, Any], step_ms: float) -> str:

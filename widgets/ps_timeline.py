@@ -15,6 +15,7 @@ import traitlets
 
 from kernels.contract.ps_records import SPAN_KINDS, PSSpan
 from widgets._esm import view_module
+from widgets.static_figure import StaticFigure
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 COLOURS = {"pull": "#4c78a8", "compute": "#54a24b", "push": "#f58518", "apply": "#b279a2"}
@@ -34,7 +35,7 @@ def _lanes(spans: list[Any]) -> list[dict[str, Any]]:
     return [{"rank": rank, "spans": spans} for rank, spans in sorted(lanes.items())]
 
 
-class PSTimeline(anywidget.AnyWidget):
+class PSTimeline(StaticFigure, anywidget.AnyWidget):
     """One lane per rank; hover a span for its kind, step and duration."""
 
     _esm = view_module("ps_timeline.js")
@@ -45,7 +46,20 @@ class PSTimeline(anywidget.AnyWidget):
     present = traitlets.Bool(False).tag(sync=True)  # larger fonts
 
     def __init__(self, spans: list[Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(lanes=_lanes(spans or []), **kwargs)
+        self._spans = spans or []  # what plot_ps_timeline draws the static figure from
+        super().__init__(lanes=_lanes(self._spans), **kwargs)
+
+    def static_figure(self) -> Any:
+        """``plot_ps_timeline`` of the spans."""
+        return plot_ps_timeline(self._spans) if self.lanes else None
+
+    def static_text(self) -> str:
+        """How many ranks and spans, over how long."""
+        end = max((s["end"] for lane in self.lanes for s in lane["spans"]), default=0.0)
+        spans = sum(len(lane["spans"]) for lane in self.lanes)
+        if not spans:
+            return "no parameter-server spans"
+        return f"pull / compute / push / apply of {len(self.lanes)} ranks: {spans} spans over {end:.2f} s"
 
 
 def plot_ps_timeline(spans: list[Any]):

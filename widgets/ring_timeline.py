@@ -104,6 +104,11 @@ class RingTimeline(StepLayerView):
     _css = _STATIC / "ring_timeline.css"
     record_type = RingStep
     derive = staticmethod(ring_lanes)
+    twin = staticmethod(lambda records, step, layer: plot_ring(records, step, layer))  # plot_ring comes below
+
+    def static_text(self) -> str:
+        """The header of the view: it names the step and layer itself."""
+        return self.view.get("error") or self.view["header"]
 
 
 def plot_ring(records: Sequence[Any], step: int | None = None, layer: str | None = None):

@@ -20,11 +20,12 @@ import traitlets
 
 from widgets._esm import STATIC, view_module
 from widgets._gallery import _gallery_state, bubble_words
+from widgets.static_figure import StaticFigure
 from widgets._timeline import KINDS, LEGEND_ORDER, SHADES
 from widgets.pipeline_timeline import _LEGEND_TEXT
 
 
-class ScheduleGallery(anywidget.AnyWidget):
+class ScheduleGallery(StaticFigure, anywidget.AnyWidget):
     """One panel per schedule (``.cl-gallery-panel[data-name]``), one shared axis, one lock-step replay."""
 
     _esm = view_module("vguide.js", "box_label.js", "schedule_gallery.js")
@@ -38,11 +39,21 @@ class ScheduleGallery(anywidget.AnyWidget):
     present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, runs: Any, **kwargs: Any) -> None:
+        self._runs = runs  # what plot_gallery draws the static figure from
         super().__init__(**_gallery_state(runs), **kwargs)
 
     def seek(self, ms: float) -> None:
         """Show on every panel only what started by ``ms`` (negative: everything)."""
         self.cursor_ms = float(ms)
+
+    def static_figure(self) -> Any:
+        """``plot_gallery`` of the runs: every panel whole, whatever the replay cursor."""
+        return plot_gallery(self._runs)
+
+    def static_text(self) -> str:
+        """One line per panel: the schedule, measured bubble beside theory."""
+        return f"{len(self.panels)} schedules on one time axis\n" + "\n".join(
+            f"{p['name']}: {bubble_words(p['bubble'])}" for p in self.panels)
 
 
 def plot_gallery(runs: Any):

@@ -19,12 +19,13 @@ import traitlets
 
 from widgets._esm import view_module
 from widgets._layout import _sharding_view
+from widgets.static_figure import StaticFigure
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 LAYERS = ("params", "grads", "optim")
 
 
-class ShardingView(anywidget.AnyWidget):
+class ShardingView(StaticFigure, anywidget.AnyWidget):
     """Per-rank rows of tensor slices for one built layout; set a new layout to animate the change."""
 
     _esm = view_module("sharding_view.js")
@@ -42,7 +43,8 @@ class ShardingView(anywidget.AnyWidget):
     present = traitlets.Bool(False).tag(sync=True)  # larger fonts, colour-blind-safe high-contrast palette
 
     def __init__(self, layout: Any = None, **kwargs: Any) -> None:
-        view = _sharding_view(layout if layout is not None else [])
+        self._layout = layout if layout is not None else []  # kept for the static figure (plot_sharding)
+        view = _sharding_view(self._layout)
         super().__init__(strategy=view["strategy"], title=view["title"], zero=view["zero"], sizes=view["sizes"],
                          tensors=view["tensors"],
                          rows=view["rows"], phases=view["phases"], **kwargs)  # the comm opens with the full state
@@ -50,6 +52,7 @@ class ShardingView(anywidget.AnyWidget):
     def set_layout(self, layout: Any) -> None:
         """Show another built layout (one message; the browser animates the slices to their new places)."""
         view = _sharding_view(layout)
+        self._layout = layout
         with self.hold_sync():
             self.phase = -1
             self.strategy, self.title, self.zero, self.sizes = view["strategy"], view["title"], view["zero"], view["sizes"]
@@ -64,6 +67,15 @@ class ShardingView(anywidget.AnyWidget):
         """The extents ``rank`` holds in ``layer`` (per tensor, None = not held), as the view draws them."""
         return _layer_extents(self.rows[[r["rank"] for r in self.rows].index(rank)], layer,
                               self.phases[phase] if phase is not None and phase >= 0 else None)
+
+    def static_figure(self) -> Any:
+        """``plot_sharding`` of the parameters at rest."""
+        return plot_sharding(self._layout) if self.rows else None
+
+    def static_text(self) -> str:
+        """The layout's title and what each rank holds, in words."""
+        return (f"{self.title}: the slice of each of {len(self.tensors)} parameters that each of {len(self.rows)} "
+                "ranks holds at rest") if self.rows else "no layout"
 
 
 def _layer_extents(row: dict[str, Any], layer: str, phase: dict[str, Any] | None) -> list[list[int] | None]:
@@ -88,7 +100,7 @@ def plot_sharding(layout: Any, layer: str = "params"):
 
     view = _sharding_view(layout)
     tensors, rows = view["tensors"], view["rows"]
-    fig = Figure(figsize=(min(16, 2 + 0.3 * len(tensors)), 0.5 * len(rows) + 1.4))
+    fig = Figure(figsize=(min(16, max(7, 2 + 0.3 * len(tensors))), 0.5 * len(rows) + 1.4))  # 7: the title fits
     ax = fig.add_subplot()
     for lane, row in enumerate(rows):
         for i, (t, ext) in enumerate(zip(tensors, _layer_extents(row, layer, None))):

@@ -23,6 +23,7 @@ import traitlets
 from kernels.contract.stragglers import stragglers, typical
 from kernels.contract.watch_records import StepProgress
 from widgets._esm import view_module
+from widgets.static_figure import StaticFigure
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 
@@ -75,7 +76,7 @@ def losses(records: list[Any]) -> list[list[float]]:
     return [[step, loss] for step, (_, loss) in sorted(out.items())]
 
 
-class TrainingDashboard(anywidget.AnyWidget):
+class TrainingDashboard(StaticFigure, anywidget.AnyWidget):
     """All ranks of one run: ``.cl-dash-rank`` rows (``data-rank``, ``data-stale``, ``data-straggler``), a loss chart."""
 
     _esm = view_module("training_dashboard.js")
@@ -131,6 +132,20 @@ class TrainingDashboard(anywidget.AnyWidget):
     def records(self) -> list[StepProgress]:
         """Every record shown."""
         return list(self._records)
+
+    def static_figure(self) -> Any:
+        """``plot_dashboard`` of the records so far (a live run's display shows those it had then)."""
+        return plot_dashboard(self._records, self.world_size) if self._records else None
+
+    def static_text(self) -> str:
+        """The ranks, how far the run got, its last loss and its speed."""
+        if not self.loss:
+            return f"{self.world_size} ranks, no step finished yet"
+        step, loss = self.loss[-1]
+        rate = self.speed.get("tokens_per_s")
+        return (f"{self.world_size} ranks, step {step + 1} of {self.steps or '?'}"
+                f"{' (finished)' if self.finished else ''}: loss {loss:.4f}"
+                + ("" if rate is None else f", {rate:,.0f} tokens/s"))
 
 
 def plot_dashboard(records: list[Any], world_size: int | None = None):

@@ -29,6 +29,7 @@ from lab.run.parallel import Parallel, ParallelConfigError
 from lab.run.run_result import RunResult
 from lab.run.training import Training
 from widgets import MemoryView, PipelineTimeline, ShardingView
+from widgets.static_figure import note_png, stack_pngs, with_static
 
 
 class Controls:
@@ -163,9 +164,22 @@ class Controls:
         self.timeline.layout.display = None if result.events else "none"
         self.memory.layout.display = None if result.memory_records or result.memory_timeline else "none"
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+    def _views_shown(self) -> list[Any]:
+        """The views under the controls that show something: none before a run, else sharding and those it recorded."""
+        views = (self.sharding, self.timeline, self.memory)
+        return [] if self.result is None else [v for v in views if v.layout.display != "none"]
 
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        """The controls, live; read without a kernel, the form and the views under it as one figure."""
+        png = stack_pngs([note_png(repr(self))] + [v.static_png() for v in self._views_shown()])
+        return with_static(self.widget._repr_mimebundle_(**kwargs), type(self).__name__, repr(self), png)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={field.value}" for name, field in self.fields.items())
+        if self.result is None:
+            return f"Controls on {self.exp.cluster.world_size} ranks, set to {shown}: not run yet"
+        return (f"Controls on {self.exp.cluster.world_size} ranks, set to {shown}: the last run's loss "
+                f"{self.result.losses[-1]:.4f} after {len(self.result.losses)} steps")
 
 def _loss_table_html(losses: list[float], reference: list[float]) -> str:
     rows = "".join(f"<tr><td>{i}</td><td>{a:.6f}</td><td>{b:.6f}</td><td>{abs(a - b) / abs(b):.1e}</td></tr>"
