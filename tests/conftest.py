@@ -165,3 +165,9 @@ class FastTierClock:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(FastTierClock(), "fast-tier-clock")
+
+
+@pytest.hookimpl(trylast=True)  # after any plugin that reorders the tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The book is built from the notebooks the other tests executed (build/executed/): its tests run last."""
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") == "tests.test_book")

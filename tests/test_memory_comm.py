@@ -146,6 +146,14 @@ def test_bench_collectives_busbw_is_algbw_times_the_nccl_tests_factor(cluster):
         assert r.busbw == r.algbw * r.factor and r.busbw / r.algbw == pytest.approx(r.factor, rel=1e-15)
 
 
+@pytest.mark.slow  # runs on the shared pool
+def test_bench_collectives_sweeps_the_all_to_all_when_asked(cluster):
+    records = bench_collectives(cluster, sizes=(4096, 1 << 16), ops=("all_to_all",), iters=2)
+    assert [(r.op, r.size_bytes) for r in records] == [("all_to_all", 4096), ("all_to_all", 1 << 16)]
+    for r in records:
+        assert r.seconds > 0 and r.factor == 0.75 == busbw_factor("all_to_all", 4)  # (n-1)/n crosses the wire
+
+
 def _modules_alive() -> list[str]:
     import gc
 

@@ -1,4 +1,6 @@
-"""The five collectives of distributed training, each run once with inputs anyone can check by hand.
+"""Five communication patterns of distributed training, each run once with inputs anyone can check by hand.
+
+The sixth, all_to_all, is what expert parallelism exchanges (``kernels.parallel.expert_parallel``).
 
 Every rank builds its input from its rank number alone, runs the collective, and
 returns a plain record ``{op, rank, input, output}``. The driver checks each output

@@ -11,7 +11,9 @@ rank does. Payload sizes follow nccl-tests:
 - reduce_scatter: the input is ``size`` bytes (each rank keeps size/n);
 - broadcast: ``size`` bytes from rank 0;
 - send_recv: every rank sends ``size`` bytes to rank+1 and receives as much from
-  rank-1 in one ``batch_isend_irecv`` (nccl-tests' sendrecv ring).
+  rank-1 in one ``batch_isend_irecv`` (nccl-tests' sendrecv ring);
+- all_to_all: every rank's ``size``-byte input is cut into n blocks, block j going to rank j
+  (``all_to_all_single``, the exchange of expert and Ulysses sequence parallelism).
 
 Bandwidths (algbw = size / time, busbw = algbw * f) are the driver's
 (``lab.measure.bench.bench_collectives``, with ``lab.planning.plan_math.busbw_factor``).
@@ -22,34 +24,42 @@ Run alone (prints the sweep on 2 ranks)::
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+from kernels.engine.runtime import rank_device
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
 
 
 def _op_call(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Callable[[], Any]:
-    """A closure that runs one call of ``op`` on a payload of ``numel`` fp32 elements in ``group`` (None: the world)."""
+    """A closure that runs one call of ``op`` on a payload of ``numel`` fp32 elements in ``group`` (None: the world).
+
+    The payload lives on the rank's device: NCCL takes only CUDA tensors, gloo CPU ones.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = rank_device()
+    ones, empty = functools.partial(torch.ones, device=device), functools.partial(torch.empty, device=device)
     if op == "all_reduce":
-        t = torch.ones(numel)
+        t = ones(numel)
         return lambda: dist.all_reduce(t, group=group)
     if op == "all_gather":
-        out, inp = torch.empty(numel), torch.ones(numel // world)
+        out, inp = empty(numel), ones(numel // world)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
         return lambda: gather(out, inp, group=group)
     if op == "reduce_scatter":
-        out, inp = torch.empty(numel // world), torch.ones(numel)
+        out, inp = empty(numel // world), ones(numel)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
         return lambda: scatter(out, inp, group=group)
     if op == "broadcast":
-        t = torch.ones(numel)
+        t = ones(numel)
         return lambda: dist.broadcast(t, src=_global(group, 0), group=group)
     if op == "send_recv":
-        send, recv = torch.ones(numel), torch.empty(numel)
+        send, recv = ones(numel), empty(numel)
 
         def ring() -> None:
             ops = [dist.P2POp(dist.isend, send, _global(group, (rank + 1) % world), group),
@@ -57,6 +67,9 @@ def _op_call(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Cal
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return ring
+    if op == "all_to_all":
+        out, inp = empty(numel), ones(numel)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
     raise ValueError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
 
 
@@ -71,14 +84,17 @@ def time_op(op: str, size_bytes: int, iters: int, group: dist.ProcessGroup | Non
     the time is still the slowest rank's of the whole world.
     """
     world = dist.get_world_size(group)
-    numel = max(world, size_bytes // 4 // world * world)  # all_gather/reduce_scatter need n | numel
+    numel = max(world, size_bytes // 4 // world * world)  # all_gather/reduce_scatter/all_to_all need n | numel
     call = _op_call(op, numel, group)
+    device = rank_device()
     call()  # warm-up: connections and buffers
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         call()
-    seconds = torch.tensor((time.perf_counter() - start) / iters, dtype=torch.float64)
+    if device.type == "cuda":  # NCCL calls return once queued; the time is the GPU's
+        torch.cuda.synchronize(device)
+    seconds = torch.tensor((time.perf_counter() - start) / iters, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
     return {"op": op, "size_bytes": numel * 4, "world": world, "iters": iters, "seconds": float(seconds)}
 

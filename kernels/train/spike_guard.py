@@ -4,7 +4,7 @@ Algorithm: a running median over a window of recent losses. A loss that is NaN o
 above ``factor`` times the median of the last ``window`` kept losses (judged once the window is
 full), marks a bad batch: the step's update is skipped (no optimizer step; the gradients are
 dropped with every step's ``zero_grad``) and training goes on with the next batch, as large runs
-recover from a loss spike without stopping (the OPT-175B logbook; the LLM-jp 175B run). Skipped
+recover from a loss spike without stopping (the OPT-175B logbook; PaLM, Chowdhery et al. 2022). Skipped
 losses stay out of the window, so one spike does not raise the bar for the next.
 
 Every rank judges the same number: the global-batch loss, all-reduced over dp (and sent from

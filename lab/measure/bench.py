@@ -3,9 +3,10 @@
 The ranks run ``kernels.measure.comm_bench.bench_rank`` (nccl-tests' loop: warm-up, barrier,
 timed calls, slowest rank's time); here each point becomes a record with
 algbw = size / time and busbw = algbw × f, f the nccl-tests factor of docs/design.md#bus-bandwidth
-(``plan_math.busbw_factor``): all_reduce 2(n-1)/n, all_gather and reduce_scatter
+(``plan_math.busbw_factor``): all_reduce 2(n-1)/n, all_gather, reduce_scatter and all_to_all
 (n-1)/n, broadcast and send/recv 1. busbw is comparable across ops and world sizes:
-it is the bandwidth each link would need in a ring.
+it is the bandwidth each link would need in a ring. all_to_all is swept when ``ops`` names it
+(``DEFAULT_OPS`` are the five ring collectives).
 
 Each (op, link) series of two or more sizes is also fitted to the α–β model
 (``lab.planning.plan_latency.fit_alpha_beta``: seconds = ring steps · α + wire bytes / busbw), and

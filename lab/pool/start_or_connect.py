@@ -1,13 +1,17 @@
 """The two ways to get a pool: start one on this machine, or attach to a running one."""
 from __future__ import annotations
 
+import os
+
 from lab.pool import launch, launchers
 from lab.pool.cluster import Cluster, default_rank_count
+
+SPARES_VARIABLE = "CLUSTER_LAB_SPARE_ENGINES"  # a shared server's default: docs/teaching.md sets it to 0
 
 
 def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | None = None,
           timeout: float = 60.0, *, share_gpu: bool = False, controller_ip: str = "127.0.0.1",
-          collective_timeout: float = 300.0, activate: bool = True, spare_engines: int = 1,
+          collective_timeout: float = 300.0, activate: bool = True, spare_engines: int | None = None,
           launcher: str = "local") -> Cluster:
     """Start ``n`` engines on this machine and build a torch.distributed world on them.
 
@@ -24,7 +28,9 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
         activate: point IPython's ``%%px`` at the ranks when running in IPython.
         spare_engines: engines kept started and warmed beside the ranks; a rank whose engine
             dies (or is killed, wedged) takes one over in about a second instead of the 5-8 s
-            a fresh engine needs, so the error comes with the world already rebuilt.
+            a fresh engine needs, so the error comes with the world already rebuilt. Default 1, or the
+            ``CLUSTER_LAB_SPARE_ENGINES`` environment variable where it is set (a classroom server sets 0:
+            a spare is a whole Python process with torch imported, about a fifth of a 4-rank pool's memory).
         launcher: "local" (one child process per engine) or "mpi" (all engines under one
             ``mpiexec``, through ipyparallel's MPI launcher; see ``lab.pool.launchers`` for the
             Open MPI flags it adds). Spares get an ``mpiexec`` of their own.
@@ -36,6 +42,7 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     n = default_rank_count() if n is None else n
     if n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n}")
+    spare_engines = default_spare_engines() if spare_engines is None else spare_engines
     if spare_engines < 0:
         raise ValueError(f"spare_engines must be 0 or more, got {spare_engines}")
     launchers.check_launcher(launcher)
@@ -46,6 +53,15 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
                    timeout=timeout, collective_timeout=collective_timeout, activate=activate,
                    spare_engines=spare_engines)
+
+
+def default_spare_engines() -> int:
+    """Spare engines when ``start`` is not told: ``CLUSTER_LAB_SPARE_ENGINES``, else 1."""
+    value = os.environ.get(SPARES_VARIABLE, "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{SPARES_VARIABLE} must be a whole number of spare engines, got {value!r}") from None
 
 
 def connect(profile: str | None = None, cluster_id: str | None = None, *, url_file: str | None = None,
