@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 import psutil
+from nbclient import NotebookClient
+
+from lab.course.exercises import solved
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "02_data_parallel.ipynb"
@@ -37,12 +40,6 @@ NOTEBOOK = ROOT / "notebooks" / "02_data_parallel.ipynb"
 
 def run_student(notebook: Path, out: Path, cell_timeout: int) -> None:
     """One student: the solved notebook, cell by cell, in a fresh kernel; times and any failure to ``out``."""
-    import nbformat  # noqa: F401  (the kernel side needs nothing of this process)
-    from nbclient import NotebookClient
-
-    sys.path.insert(0, str(ROOT))
-    from lab.course.exercises import solved
-
     nb = solved(notebook)
     client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(notebook.parent)}})

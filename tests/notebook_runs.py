@@ -1,6 +1,7 @@
 """How CI runs a notebook: its exercises solved, top to bottom, the executed copy kept for the book."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -14,6 +15,17 @@ EXECUTED = ROOT / "build" / "executed"  # the static book is built from these (t
 CELL_TIMEOUT_S = 90  # no single cell may take longer
 
 
+def runnable_here(nb: nbformat.NotebookNode) -> bool:
+    """False for a notebook that builds simulated hosts (``lab.needs_root``) when this process is not root."""
+    return not nb.metadata.get("lab", {}).get("needs_root") or os.geteuid() == 0
+
+
+def client(nb: nbformat.NotebookNode, path: Path) -> NotebookClient:
+    """A kernel client for ``nb``, run from ``path``'s folder (relative paths as the notebook sees them)."""
+    return NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}})
+
+
 def execute(path: Path, notebook: nbformat.NotebookNode | None = None) -> nbformat.NotebookNode:
     """Run ``notebook`` (by default ``path`` with its exercises solved) in a fresh kernel beside ``path``.
 
@@ -21,8 +33,7 @@ def execute(path: Path, notebook: nbformat.NotebookNode | None = None) -> nbform
     """
     nb = solved(path) if notebook is None else notebook
     try:
-        NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        client(nb, path).execute()
     finally:
         EXECUTED.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, EXECUTED / path.name)

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from lab.course.book import ROOT, WIDGET_VIEW, build_book, check_page, prepare, stage
-from tests.notebook_runs import EXECUTED, NOTEBOOKS, execute
+from tests.notebook_runs import EXECUTED, NOTEBOOKS, execute, runnable_here
 from widgets.static_figure import VIEW_KEY, note_png
 
 BOOK_OUT = ROOT / "build" / "book"  # kept after the run: the HTML is in build/book/_build/html
@@ -100,15 +100,10 @@ def test_a_missing_image_page_or_notebook_fails(tmp_path):
     assert (tmp_path / "src" / "_toc.yml").exists() and (tmp_path / "src" / "docs" / "design.md").exists()
 
 
-def runnable(path) -> bool:
-    """Notebook 10 builds simulated hosts and needs root (tests/test_notebooks.py skips it elsewhere)."""
-    return not nbformat.read(path, as_version=4).metadata.get("lab", {}).get("needs_root") or os.geteuid() == 0
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # run alone, it first executes every notebook (about 10 minutes here); in CI they are done
 def test_the_book_builds_from_the_executed_notebooks_with_every_view_a_figure():
-    names = [p.stem for p in NOTEBOOKS if runnable(p)]
+    names = [p.stem for p in NOTEBOOKS if runnable_here(nbformat.read(p, as_version=4))]
     for path in NOTEBOOKS:  # run alone, or after a notebook test that skipped: execute what is not there
         if path.stem in names and not (EXECUTED / path.name).exists():
             execute(path)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from lab.course.exercises import BEGIN, END, ExerciseError, blank_of, exercises, graded_alone, solved
-from tests.notebook_runs import CELL_TIMEOUT_S, NOTEBOOKS, ROOT
+from tests.notebook_runs import NOTEBOOKS, ROOT, client
 
 EXERCISES = [e for path in NOTEBOOKS for e in exercises(path)]
 SOLUTIONS = ROOT / "notebooks" / "solutions"
@@ -70,11 +69,10 @@ def test_an_exercise_without_its_grader_is_refused(tmp_path):
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.name)
 def test_with_the_blank_left_in_the_grader_fails(exercise):
     nb = graded_alone(exercise)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(exercise.notebook.parent)}})
-    with client.setup_kernel():
+    kernel = client(nb, exercise.notebook)
+    with kernel.setup_kernel():
         for i, cell in enumerate(nb.cells[:-1]):  # the context and the blank itself run
-            client.execute_cell(cell, i)
+            kernel.execute_cell(cell, i)
         with pytest.raises(CellExecutionError) as failed:
-            client.execute_cell(nb.cells[-1], len(nb.cells) - 1)
+            kernel.execute_cell(nb.cells[-1], len(nb.cells) - 1)
     assert "NotImplementedError" in str(failed.value) or "AssertionError" in str(failed.value), str(failed.value)[-2000:]

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from tests.jupyter_browser import require_browser
-from tests.notebook_runs import NOTEBOOKS, execute
+from tests.notebook_runs import NOTEBOOKS, execute, runnable_here
 # Notebooks a real-browser test already runs to their last cell's check (a failing assert is a traceback there).
 BROWSER_RUNS = {"05_pipeline_parallel.ipynb": "tests/test_browser_notebook05.py"}
 
@@ -38,7 +37,7 @@ def test_notebook_in_git_has_no_outputs_or_execution_counts(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_and_its_last_cell_checks_theory(path):
     nb = nbformat.read(path, as_version=4)
-    if nb.metadata.get("lab", {}).get("needs_root") and os.geteuid() != 0:
+    if not runnable_here(nb):
         pytest.skip(f"{path.name} builds simulated hosts: network namespaces, veths and tc need root")
     if path.name in BROWSER_RUNS and browser_ready():
         pytest.skip(f"{path.name} runs top to bottom, to its last check, in Chromium: {BROWSER_RUNS[path.name]}")

@@ -35,8 +35,9 @@ def average_gradients_naive(model: nn.Module, group: dist.ProcessGroup | None = 
             p.grad /= world
 
 
-def _grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])  # (Ψ,)
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, flattened and joined in ``model.parameters()`` order: (Ψ,)."""
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 def compare_gradient_averaging(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +56,7 @@ def compare_gradient_averaging(cfg: dict[str, Any]) -> dict[str, Any]:
     naive = build_model(model_config(run))
     loss = loss_fn(naive(x), y)
     loss.backward()
-    local = _grads(naive).clone()
+    local = flat_grads(naive).clone()
     average_gradients_naive(naive)
 
     ddp = DDP(build_model(model_config(run)))
@@ -63,7 +64,7 @@ def compare_gradient_averaging(cfg: dict[str, Any]) -> dict[str, Any]:
 
     whole = build_model(model_config(run))
     loss_fn(whole(inputs), targets).backward()  # the global-batch gradient, in this one process
-    hand, library, truth = _grads(naive), _grads(ddp.module), _grads(whole)
+    hand, library, truth = flat_grads(naive), flat_grads(ddp.module), flat_grads(whole)
     return {"rank": rank, "samples": mine, "local_loss": loss.item(),
             "local_grad_norm": local.norm().item(), "averaged_grad_norm": hand.norm().item(),
             "ddp_grad_norm": library.norm().item(), "one_process_grad_norm": truth.norm().item(),

@@ -31,13 +31,10 @@ from kernels.measure.socket_bytes import bytes_written
 from kernels.model.family import build_model, model_config
 from kernels.model.gpt import loss_fn
 from kernels.train.data import dataset, shard_batch
+from kernels.train.data_parallel_naive import flat_grads
 from kernels.contract.run_config import RunConfig
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
-
-
-def _grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])  # (Ψ,)
 
 
 def _hooked_backward(run: RunConfig, hook: CommHook, x: torch.Tensor, y: torch.Tensor,
@@ -79,7 +76,7 @@ def compare_comm_hook(cfg: dict[str, Any], hook: CommHook, bucket_cap_mb: float 
     torch_hook, _, _ = _hooked_backward(run, default_hooks.allreduce_hook, x, y, bucket_cap_mb)
     whole = build_model(model_config(run), device)
     loss_fn(whole(inputs), targets).backward()  # the global-batch gradient, in this one process
-    mine, library, truth = _grads(yours), _grads(torch_hook), _grads(whole)
+    mine, library, truth = flat_grads(yours), flat_grads(torch_hook), flat_grads(whole)
     return {"rank": rank, "samples": samples, "params": mine.numel(), "buckets": buckets, "wire_bytes": wire,
             "max_diff_vs_allreduce_hook": (mine - library).abs().max().item(),
             "max_diff_vs_one_process": (mine - truth).abs().max().item()}

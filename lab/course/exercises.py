@@ -16,7 +16,6 @@ solved notebooks (``python -m lab.course.exercises solved notebooks/ OUT``) dire
 """
 from __future__ import annotations
 
-import copy
 import re
 import sys
 from dataclasses import dataclass
@@ -68,7 +67,10 @@ def blank_of(solution: str, name: str) -> str:
 
 def exercises(notebook: Path) -> list[Exercise]:
     """The exercises of ``notebook``, in the order of their blanks; each has one blank and one grader after it."""
-    nb = nbformat.read(notebook, as_version=4)
+    return _exercises_in(nbformat.read(notebook, as_version=4), notebook)
+
+
+def _exercises_in(nb: nbformat.NotebookNode, notebook: Path) -> list[Exercise]:
     cells: dict[str, dict[str, list[int]]] = {}
     for i, cell in enumerate(nb.cells):
         mark = cell.metadata.get("lab", {})
@@ -88,7 +90,7 @@ def exercises(notebook: Path) -> list[Exercise]:
 def solved(notebook: Path) -> nbformat.NotebookNode:
     """``notebook`` with every blank replaced by its solution (the teacher's copy, and what CI runs)."""
     nb = nbformat.read(notebook, as_version=4)
-    for exercise in exercises(notebook):
+    for exercise in _exercises_in(nb, notebook):
         nb.cells[exercise.blank].source = exercise.solution()
     return nb
 
@@ -96,9 +98,8 @@ def solved(notebook: Path) -> nbformat.NotebookNode:
 def graded_alone(exercise: Exercise) -> nbformat.NotebookNode:
     """A notebook of the exercise's context cells, its blank as shipped and its grader, in that order."""
     nb = nbformat.read(exercise.notebook, as_version=4)
-    part = copy.deepcopy(nb)
-    part.cells = [nb.cells[i] for i in (*exercise.context, exercise.blank, exercise.grader)]
-    return part
+    nb.cells = [nb.cells[i] for i in (*exercise.context, exercise.blank, exercise.grader)]
+    return nb
 
 
 def _write_solved(source: Path, out: Path) -> None:
