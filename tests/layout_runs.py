@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 
 from kernels.contract.run_config import RunConfig
-from kernels.parallel.mesh import live_group_count
+from kernels.parallel.warm_meshes import unkept_group_count
 from kernels.train.entry import train_rank
 from kernels.train.reference import train_reference
 
@@ -35,7 +35,7 @@ def layout_runs(cluster, config_of: Callable[[str], dict]) -> Runs:
         if layout not in runs:
             cfg = config_of(layout)
             results = cluster.run(train_rank, cfg)
-            assert cluster.run(live_group_count) == [1] * cluster.world_size, "sub-groups left behind"
+            assert cluster.run(unkept_group_count) == [1] * cluster.world_size, "sub-groups left behind"
             runs[layout] = cfg, results[:cfg.get("world_size", len(results))]
         return runs[layout]
 

@@ -21,7 +21,7 @@ import torch
 import lab
 from kernels.contract.config_rules import ConfigError
 from kernels.model.family import build_model, model_fields
-from kernels.parallel.mesh import live_group_count
+from kernels.parallel.warm_meshes import unkept_group_count
 from kernels.train.entry import train_rank
 from tests.config_draws import RecordingPool
 from tests.layout_runs import Runs, assert_trains_like_one_process, layout_runs, reference_of, tier
@@ -189,7 +189,7 @@ def test_experts_no_token_reaches_get_a_zero_gradient_not_none(cluster):
     assert all(o["reached"] == [8, 0, 0, 0] for o in out)  # each rank's 2 sequences of 4 tokens, all to expert 0
     assert out[0]["local"] > 0 and [o["local"] for o in out[1:]] == [0.0, 0.0, 0.0]
     assert max(o["error"] for o in out) < 1e-6
-    assert cluster.run(live_group_count) == [1] * cluster.world_size
+    assert cluster.run(unkept_group_count) == [1] * cluster.world_size
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ collective the others wait in; the Slow wait figure within 25%.
 from __future__ import annotations
 
 import _thread
+import json
 import statistics
 import threading
 import time
@@ -14,10 +15,10 @@ import time
 import pytest
 
 import lab
-from kernels.watch.collective_log import CollectiveLog, log_path, read_state
+from kernels.watch.collective_log import _HEADER, MAX_OPEN, CollectiveLog, log_path, read_state
 from lab.run.faults import fault_problems
 import lab.pool.hang_report
-from kernels.contract.watch_records import FlightGroup
+from kernels.contract.watch_records import FlightGroup, RankActivity
 from lab.pool.hang_report import RankDoing, build_report, flight_findings
 from widgets.training_dashboard import rank_rows
 
@@ -44,6 +45,23 @@ def test_a_ranks_log_is_read_back_while_it_is_open_with_per_group_sequence_numbe
     assert read_state(path).action == "done"
     assert len(waits) == 1 and waits[0].collectives == 3
     assert 0 < waits[0].grad_sync_s == waits[0].wait_s <= waits[0].step_s  # still-open ones count to the step's end
+    log.close()
+
+
+def test_the_published_snapshot_is_exactly_the_records_dict(tmp_path):
+    # The log builds the snapshot's dict directly (it runs twice per collective): the record's own
+    # conversion of what it parses back must give the very same dict, so the two cannot drift apart.
+    path = tmp_path / "log.bin"
+    log = CollectiveLog(rank=2, path=str(path))
+    log.begin_step(3)
+    log.note_fault("slow by 0.1 s")
+    for i in range(MAX_OPEN + 2):
+        log.enter("all_gather", "tp", (2, 3), 64 * i)
+    raw = path.read_bytes()
+    length = _HEADER.unpack_from(raw, 0)[1]
+    body = json.loads(raw[_HEADER.size:_HEADER.size + length])
+    assert body == RankActivity.from_dict(body).to_dict()
+    assert len(body["open"]) == MAX_OPEN and body["more_open"] == 2 and body["faults"] == ["slow by 0.1 s"]
     log.close()
 
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import lab  # noqa: E402
 from kernels.contract.config_rules import ConfigError  # noqa: E402
 from kernels.model.family import model_fields  # noqa: E402
-from kernels.parallel.mesh import live_group_count  # noqa: E402
+from kernels.parallel.warm_meshes import unkept_group_count  # noqa: E402
 from lab.run.own_models import own_config  # noqa: E402
 from tests.config_draws import RecordingPool  # noqa: E402
 from tests.layout_runs import Runs, assert_trains_like_one_process, layout_runs, reference_of, tier  # noqa: E402
@@ -131,7 +131,7 @@ def test_hf_experts_no_token_reaches_get_a_zero_gradient_not_none(cluster):
     out = cluster.run(_hf_experts_no_token_reaches)
     assert out[0]["local"] > 0 and [o["local"] for o in out[1:]] == [0.0, 0.0, 0.0]
     assert max(o["error"] for o in out) < 1e-6
-    assert cluster.run(live_group_count) == [1] * cluster.world_size
+    assert cluster.run(unkept_group_count) == [1] * cluster.world_size
 
 
 # --- refused before launch, and again on the ranks ----------------------------------------------------------------

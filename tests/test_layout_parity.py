@@ -55,7 +55,7 @@ import torch
 from kernels.contract.layout_rules import MESH_AXES, SCHEDULES, coords, default_stages_per_rank
 from kernels.model.gpt import build_gpt
 from kernels.model.family import model_config
-from kernels.parallel.mesh import live_group_count
+from kernels.parallel.warm_meshes import unkept_group_count
 from kernels.train.reference import train_reference
 from kernels.contract.run_config import RunConfig
 from kernels.train.entry import train_rank
@@ -201,7 +201,7 @@ def test_layout_trains_like_one_process(request, layout_id):
     start = time.perf_counter()
     results = pool.run(train_rank, cfg)
     print(f"{layout_id}: {time.perf_counter() - start:.2f}s on the pool")
-    assert pool.run(live_group_count) == [1] * pool.world_size, "sub-groups left behind"
+    assert pool.run(unkept_group_count) == [1] * pool.world_size, "sub-groups left behind"
     results = results[:cfg.get("world_size", len(results))]  # ranks beyond world_size sat the run out
     init = dict(build_gpt(model_config(RunConfig.from_options(cfg))).named_parameters())
     for rank, res in enumerate(results):

@@ -13,25 +13,27 @@ TINY = lab.GPT(layers=2, d_model=32, heads=4, vocab=64, seq_len=16)
 
 
 def test_records_arrive_while_the_run_goes(cluster):
-    exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=4), steps=8)
+    # Enough steps to outlast several of the ranks' send intervals (kernels.watch.progress.SEND_EVERY_S).
+    steps = 40
+    exp = lab.Experiment(cluster, TINY, lab.Parallel(dp=4), steps=steps)
     handle = exp.start()
     arrivals: list[tuple[float, bool, StepProgress]] = []
     handle.follow(lambda records: arrivals.extend((time.time(), handle.done, r) for r in records))
     result = handle.wait()
-    assert handle.done and len(result.losses) == 8 and result.stopped_at is None
+    assert handle.done and len(result.losses) == steps and result.stopped_at is None
     seen = {(r.rank, r.step) for _, _, r in arrivals}
-    assert seen == {(rank, step) for rank in range(4) for step in range(8)}  # one per step per rank, before wait()
+    assert seen == {(rank, step) for rank in range(4) for step in range(steps)}  # one per step per rank, before wait()
     last_sent = max(r.sent_at for _, _, r in arrivals)
     assert arrivals[0][0] < last_sent  # the first record was here before the last one left its rank
     assert any(not done for _, done, _ in arrivals)
     by_step = {r.step: r for _, _, r in arrivals if r.rank == 0}
-    assert [by_step[s].loss for s in range(8)] == pytest.approx(result.losses)
+    assert [by_step[s].loss for s in range(steps)] == pytest.approx(result.losses)
     for _, _, r in arrivals:
         assert r.step_s > 0 and 0 <= r.collective_s <= r.step_s and r.memory_kind == "rss" and r.memory_bytes > 0
         assert r.compute_s == pytest.approx(r.step_s - r.collective_s)
     assert [StepProgress.from_dict(d) for d in result.progress] == handle.history  # saved for replay
     assert all(row.last_heard_s is not None and row.last_heard_s >= 0 for row in cluster.status())  # cluster.view()
-    assert [row["step"] for row in result.dashboard().ranks] == [7] * 4
+    assert [row["step"] for row in result.dashboard().ranks] == [steps - 1] * 4
 
 
 def test_stop_ends_every_rank_at_one_step_boundary_and_the_next_run_works(cluster):

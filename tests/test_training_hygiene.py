@@ -25,7 +25,7 @@ from kernels.contract.config_rules import ConfigError
 from kernels.contract.run_config import RunConfig
 from kernels.contract.training_hygiene import LRSchedule, ScheduleKind
 from kernels.model.family import build_model, model_config, model_loss
-from kernels.parallel.mesh import live_group_count
+from kernels.parallel.warm_meshes import unkept_group_count
 from kernels.train.data import SyntheticTokens, dataset
 from kernels.train.entry import train_rank
 from kernels.train.lr_schedule import ScheduledLR, warmup_cosine_factor
@@ -212,7 +212,7 @@ def hygiene_runs(cluster, token_spec, tmp_path_factory):
             if layout == "ddp4":
                 cfg.update(checkpoint_dir=str(saves), checkpoint_every=2)
             runs[layout] = cfg, cluster.run(train_rank, cfg)
-            assert cluster.run(live_group_count) == [1] * cluster.world_size, "sub-groups left behind"
+            assert cluster.run(unkept_group_count) == [1] * cluster.world_size, "sub-groups left behind"
         return runs[layout]
     return get
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from kernels.engine.long_lived import thaw
 from kernels.watch import flight_recorder, stack_report
 
 # These torch modules give functions the default argument ``group=dist.group.WORLD``, which
@@ -216,6 +217,7 @@ def leave_world() -> bool:
     _left_groups = [weakref.ref(group) for group in c10d._world.pg_map]
     dist.destroy_process_group()
     if lingering_groups():
+        thaw()  # a group held in long-lived cycles (kernels.engine.long_lived) is freed only this way
         gc.collect()
     if lingering_groups():  # scanning every object costs a few tenths of a second: only when needed
         for mesh in (o for o in gc.get_objects() if isinstance(o, DeviceMesh)):

@@ -180,17 +180,11 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     redistribution caches hold meshes too, and a root mesh holds its groups: left
     filled, every run's destroyed groups stay alive on a warm pool, gloo threads,
     sockets and buffers included. So every such cache is cleared first, while these
-    groups are still alive (torch has no public call for this; ``_clear_dtensor_caches``).
+    groups are still alive (torch has no public call for this; ``clear_dtensor_caches``).
     """
-    _clear_dtensor_caches()
-    world = dist.group.WORLD
-    roots = [mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh for mesh in meshes
-             if mesh is not None and mesh.get_coordinate() is not None]  # a non-member created no groups here
-    seen: dict[int, dist.ProcessGroup] = {}
-    for root in roots:
-        for group in [*root.get_all_groups(), *getattr(root, "_pg_registry", {}).values()]:
-            if group is not None and group is not world:
-                seen.setdefault(id(group), group)
+    clear_dtensor_caches()
+    roots = _roots(meshes)
+    seen = mesh_sub_groups(*meshes)
     for group in seen.values():
         dist.destroy_process_group(group)
     # A gloo group closes its connections only once freed, and DTensor's other caches keep
@@ -199,6 +193,21 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     for root in roots:
         getattr(root, "_pg_registry", {}).clear()
     return len(seen)
+
+
+def _roots(meshes: tuple[DeviceMesh | None, ...]) -> list[DeviceMesh]:
+    return [mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh for mesh in meshes
+            if mesh is not None and mesh.get_coordinate() is not None]  # a non-member created no groups here
+
+
+def mesh_sub_groups(*meshes: DeviceMesh | None) -> dict[int, dist.ProcessGroup]:
+    """The groups these meshes' roots created (flattened axes included), by id; the default group left out."""
+    world, seen = dist.group.WORLD, {}
+    for root in _roots(meshes):
+        for group in [*root.get_all_groups(), *getattr(root, "_pg_registry", {}).values()]:
+            if group is not None and group is not world:
+                seen.setdefault(id(group), group)
+    return seen
 
 
 def live_group_count() -> int:
@@ -211,7 +220,8 @@ def live_group_count() -> int:
     return len(c10d._world.pg_map) if dist.is_initialized() else 0
 
 
-def _clear_dtensor_caches() -> None:
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's caches that hold meshes (sharding propagation, redistribution plans, topologies)."""
     # Private torch names, looked up softly: a torch without one of them has nothing to clear there.
     from torch.distributed.tensor import _collective_utils, _redistribute, debug
     topology = getattr(_collective_utils, "MeshTopoInfo", None)

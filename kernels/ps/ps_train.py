@@ -39,6 +39,7 @@ import torch.distributed.rpc as rpc
 from kernels.watch import faults as fault_kinds
 from kernels.engine import runtime
 from kernels.ps import ps_rpc
+from kernels.parallel import warm_meshes
 from kernels.watch import progress
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
@@ -89,6 +90,10 @@ def ps_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     run, servers = RunConfig.from_options(cfg["run"]), int(cfg["servers"])
     link = cfg["rpc"]
+    # With earlier layouts' meshes kept warm (their gloo groups alive), workers' RPC replies stalled now
+    # and then (from 20 s up to a hang; the cause is not pinned down). The parameter server uses no mesh:
+    # the pool lets them go first, on every rank alike.
+    warm_meshes.release_all()
     ps_rpc.start_rpc(rank, world, link["master_addr"], link["port"], link["bind_addrs"][rank], link["timeout_s"])
     try:
         model = build_model(model_config(run))

@@ -24,13 +24,13 @@ Run alone (4 ranks: 2 + 2 steps equal 4 steps of ``train_rank``)::
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 from typing import Any
 
 import torch.distributed as dist
 
 from kernels.engine import runtime
+from kernels.engine.long_lived import freeze_long_lived
 from kernels.checkpoint.save_load import load_checkpoint, save_checkpoint
 from kernels.checkpoint.files import read_meta
 from kernels.parallel.mesh import dp_group
@@ -144,24 +144,11 @@ def open_training(key: str, cfg: dict[str, Any], *, next_step: int = 0, losses: 
     ``next_step`` and ``losses`` say where the run stands (a training rebuilt under a new layout goes on from there).
     """
     close_training(key)
-    _freeze_long_lived()
+    freeze_long_lived()
     live = LiveTraining(RunConfig.from_options(cfg))
     live.next_step, live.losses = next_step, list(losses or [])
     _held[key] = live
     return dist.get_rank()
-
-
-@functools.cache
-def _freeze_long_lived() -> None:
-    """Once per process: move what lives as long as the engine (torch's modules and all) out of the collector's view.
-
-    ``close`` runs a full collection to free the closed layout's reference cycles; over the
-    engine's hundreds of thousands of long-lived objects that took ~0.25 s of every relayout
-    here. ``gc.freeze`` puts them in the permanent generation (Python's own means for
-    long-running servers), so a collection scans only what was made after.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def held(key: str) -> LiveTraining:

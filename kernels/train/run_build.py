@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.contract import layout_rules
 from kernels.contract.strategy import GradSync, Strategy
@@ -35,8 +36,9 @@ from kernels.parallel.fsdp import block_unit_names, describe_params, full_parame
 from kernels.parallel.context_parallel import RingLog
 from kernels.parallel.expert_parallel import ExpertGradSync, expert_parameters
 from kernels.parallel.mesh import (ParallelDims, build_cp_mesh, build_ep_mesh, build_hsdp_mesh, build_mesh,
-                                   destroy_mesh_groups, dp_group, dp_rank, pp_group, pp_rank)
+                                   dp_group, dp_rank, pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
+from kernels.parallel.warm_meshes import warm_mesh
 from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
@@ -83,7 +85,7 @@ def _paused(routing: RoutingLog, fn: Callable[..., Any], *args: Any, **kwargs: A
 
 
 class RankBuild:
-    """This rank's part of the layout ``run`` names (module docstring); ``close()`` destroys its mesh groups.
+    """This rank's part of the layout ``run`` names (module docstring); its meshes are kept warm (``kernels.parallel.warm_meshes``).
 
     ``model`` is what the flat step runs (DDP wrapper included; None with pp),
     ``params_module`` the module whose parameters the optimizer steps (the unwrapped
@@ -96,10 +98,11 @@ class RankBuild:
         self.device = runtime.rank_device()
         if self.device.type == "cuda":  # TF32 matmuls for what runs in fp32, as torch users set it on Ampere and later
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        self.mesh = build_mesh(self.dims, self.device.type)  # collective over every rank of the process group
-        self.dp_mesh = build_hsdp_mesh(self.dims, self.device.type) if self.strategy.hybrid else None
-        self.cp_mesh = build_cp_mesh(self.dims, self.device.type) if self.dims.cp > 1 else None  # collective too
-        self.ep_mesh = build_ep_mesh(self.dims, self.device.type) if self.dims.ep > 1 else None  # collective too
+        # Collective over every rank of the process group; kept warm for the next run of the same shape.
+        self.mesh = self._mesh(build_mesh)
+        self.dp_mesh = self._mesh(build_hsdp_mesh) if self.strategy.hybrid else None
+        self.cp_mesh = self._mesh(build_cp_mesh) if self.dims.cp > 1 else None
+        self.ep_mesh = self._mesh(build_ep_mesh) if self.dims.ep > 1 else None
         self.idle = self.mesh.get_coordinate() is None
         # Context parallelism: this rank's place in its ring, and the ring steps of the last step's forward.
         self.cp_rank = self.cp_mesh.get_local_rank() if self.cp_mesh is not None and not self.idle else 0
@@ -116,6 +119,10 @@ class RankBuild:
                                       ep_rank, self.dims.ep)
             if self.pipe and self.routing.layers:
                 _uncounted_shape_inference(self.pipe.stages, self.routing)
+
+    def _mesh(self, builder: Callable[[ParallelDims, str], DeviceMesh]) -> DeviceMesh:
+        device_type = self.device.type
+        return warm_mesh((builder.__name__, self.dims, device_type), lambda: builder(self.dims, device_type), device_type)
 
     def _build_flat(self) -> None:
         self.model = parallelize(build_model(model_config(self.run), device=self.device), self.strategy, self.mesh,
@@ -268,7 +275,6 @@ class RankBuild:
         return {"routing_steps": self.routing.take()} if self.routing is not None and self.routing.layers else {}
 
     def close(self) -> None:
-        """Destroy the mesh's sub-groups."""
+        """Let go of the run's hooks; its meshes stay warm (``kernels.parallel.warm_meshes``)."""
         if self.routing is not None:
             self.routing.close()
-        destroy_mesh_groups(self.mesh, self.dp_mesh, self.cp_mesh, self.ep_mesh)

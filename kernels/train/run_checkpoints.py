@@ -71,6 +71,7 @@ class RunCheckpoints:
                  ranks: list[int] | None = None, group: dist.ProcessGroup | None = None) -> None:
         self.run, self.model, self.optimizer, self.strategy, self.group = run, model, optimizer, strategy, group
         self.first_step, self.last_step, self.load_seconds = 0, run.steps, 0.0
+        self.save_blocked: list[float] = []  # per save, the seconds the training loop waited for it
         self.history: list | None = None  # a held training's losses (floats, then this call's tensors)
         self.saver = AsyncSaver(ranks) if run.checkpoint_dir and run.checkpoint_async else None
 
@@ -94,8 +95,10 @@ class RunCheckpoints:
         return self.first_step
 
     def record(self) -> dict[str, Any]:
-        """The rank record's part: the step this run started at and how long its load took."""
-        return {"first_step": self.first_step, "load_seconds": self.load_seconds}
+        """The rank record's part: the step this run started at, how long its load took, and how long each save
+        held the training up (an asynchronous one: the wait for the previous write, then the copy to CPU memory)."""
+        return {"first_step": self.first_step, "load_seconds": self.load_seconds,
+                "save_blocked_seconds": list(self.save_blocked)}
 
     def after_step(self, step: int, loss: torch.Tensor) -> None:
         """After local step ``step`` (0-based, counted from the segment's first step): save when one is due."""
@@ -107,11 +110,12 @@ class RunCheckpoints:
             return
         losses = None if self.history is None else [float(x) for x in self.history]
         meta = checkpoint_meta(self.run, self.strategy, done, dist.get_world_size(self.group), float(loss), losses)
-        path = str(step_dir(root, done))
+        path, began = str(step_dir(root, done)), time.perf_counter()
         if self.saver is not None:
             self.saver.save(path, self.model, self.optimizer, meta)
         else:
             save_checkpoint(path, self.model, self.optimizer, meta, process_group=self.group)
+        self.save_blocked.append(time.perf_counter() - began)
 
     def wait(self) -> None:
         """Return once every save so far is complete (a held training's call ends with its checkpoints named)."""

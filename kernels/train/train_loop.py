@@ -11,9 +11,9 @@ Each step runs the step function the strategy chose, then the optimizer:
   DDP, averages them after it (``average_gradients``); with expert parallelism the experts'
   gradients meet after it (``kernels.parallel.expert_parallel.ExpertGradSync``);
 - ``PipelineStep`` (pp > 1): one schedule step over m micro-batches
-  (``kernels.parallel.pipeline``), then, unless FSDP reduced them already, one
-  all_reduce(SUM) per gradient over dp and a divide by dp (``average_gradients``),
-  shard by shard for TP DTensors.
+  (``kernels.parallel.pipeline``), then, unless FSDP reduced them already, an
+  all_reduce(SUM) over dp of the gradients in flat buckets and a divide by dp
+  (``average_gradients``), through their local shards for TP DTensors.
 
 Around the optimizer step, ``kernels.train.update_rules.UpdateRules`` applies the run's training
 hygiene: a spike guard that skips the update of a bad batch, clipping by the global norm, the lr
@@ -238,20 +238,42 @@ def grad_norm(model: nn.Module, device: torch.device, skip: set[int] = frozenset
     return total.sqrt()
 
 
-def average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """all_reduce(SUM) each gradient over ``group``, then / its size (kernels.train.data_parallel_naive's way).
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap: one all-reduce per bucket, not one per parameter
 
-    A TP DTensor gradient is reduced shard by shard: the dp ranks at one tp index
-    hold the same shard. Outside grad mode ``to_local()`` is the shard itself, so
-    the in-place all_reduce updates the DTensor.
+
+def average_gradients(model: nn.Module, group: dist.ProcessGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """all_reduce(SUM) the gradients over ``group`` in flat buckets, as DDP does, then / its size.
+
+    One call per parameter (``kernels.train.data_parallel_naive``'s way) pays each call's latency
+    dozens of times a step; the buckets pay it once per ``bucket_bytes`` of one dtype. A TP DTensor
+    gradient takes part through its local shard: the dp ranks at one tp index hold the same shard,
+    and outside grad mode ``to_local()`` is the shard itself, so copying back updates the DTensor.
     """
     n = dist.get_world_size(group)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                grad = local_part(p.grad)
-                dist.all_reduce(grad, group=group)
-                grad /= n
+        grads = [local_part(p.grad) for p in model.parameters() if p.grad is not None]
+        for bucket in _buckets(grads, bucket_bytes):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat /= n
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, each group at most ``bucket_bytes`` (or a single tensor)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        last = out[-1] if out else None
+        if last is None or (last[0].dtype, last[0].device) != (g.dtype, g.device) or size + nbytes > bucket_bytes:
+            out.append([g])
+            size = nbytes
+        else:
+            last.append(g)
+            size += nbytes
+    return out
 
 
 def _grad_bytes(model: nn.Module) -> int:

@@ -5,7 +5,8 @@ reporter times the step's waits for collectives (``kernels.watch.wait_clock``), 
 rank's memory and sends the record through ipyparallel's own engine-to-client channel
 (``ipyparallel.datapub.publish_data``, which the client merges into the call's
 metadata as it arrives; outside an engine, e.g. under torchrun, nothing is sent).
-Each step is its own key (``progress.<step>``), so no record overwrites another.
+Each step is its own key (``progress.<step>``), so no record overwrites another; the records
+of the steps that end within ``SEND_EVERY_S`` travel in one message.
 
 Stopping: the driver sends ``STOP_SIGNAL`` to every rank (``lab.run.run_handle``). The
 signal only sets a flag; at each step's end every rank all_reduces (MAX) its flag over
@@ -34,6 +35,9 @@ from kernels.contract.watch_records import StepProgress
 from kernels.watch.wait_clock import WaitClock, wait_untimed
 
 STOP_SIGNAL = signal.SIGUSR2  # SIGUSR1 is kernels.watch.stack_report's
+# Records go out together at most this often (and after the last step): one message per step per rank
+# cost the ranks, the controller and the client CPU that a 20-step/s run on shared cores notices.
+SEND_EVERY_S = 0.25
 ARMED_KEY = "progress.armed"  # published once the stop handler is installed: the driver may signal from then on
 _stop_asked = False
 
@@ -104,6 +108,8 @@ class ProgressReporter:
         self.pending: dict[str, Any] | None = None  # a GPU's step, sent when the next one ends
         self.process = psutil.Process()
         self.stopped_at: int | None = None
+        self.unsent: dict[str, Any] = {}  # records not yet sent, by key
+        self.sent_at = time.monotonic()
 
     def __enter__(self) -> "ProgressReporter":
         arm_stop()
@@ -120,6 +126,7 @@ class ProgressReporter:
         if self.pending is not None and exc[0] is None:
             self._report(self.pending)
         self.pending = None
+        self._flush()  # a stopped run's last steps, or a failed one's
 
     def step_done(self, step: int, loss: torch.Tensor, clock: Any) -> bool:
         """After step ``step`` (its loss on the device, its marks in ``clock``): report it; True to stop now."""
@@ -171,7 +178,15 @@ class ProgressReporter:
                               step_s=step_s, tokens_per_s=self.tokens / step_s if step_s > 0 else 0.0,
                               collective_s=collective, compute_s=step_s - collective, memory_bytes=memory,
                               memory_kind=kind, sent_at=time.time())
-        self._send({f"progress.{record.step}": record.to_dict()})
+        self.unsent[f"progress.{record.step}"] = record.to_dict()
+        if record.step == self.steps - 1 or time.monotonic() - self.sent_at >= SEND_EVERY_S:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.unsent:
+            self._send(self.unsent)
+            self.unsent = {}
+        self.sent_at = time.monotonic()
 
     def _send(self, data: dict[str, Any]) -> None:
         if self.publish is not None:
