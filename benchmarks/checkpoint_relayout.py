@@ -9,7 +9,7 @@ The same model is trained 2 steps under DP4 and saved. Then, measured in one run
    saved checkpoint and trains one step, process start to exit (what changing the layout costs
    without a warm pool), median of ``--repeats``; beside it the lab's relayout plus that one step.
 
-Goal: relayout at least 10× faster than the relaunch. ``relayout_vs_torchrun`` returns the figures,
+Goal: relayout and its first step at least 20× faster than the relaunch, which loads and trains one step too. ``relayout_vs_torchrun`` returns the figures,
 for ``benchmarks/checkpoint.py`` to print with the save and load figures.
 
 Run: ``python benchmarks/checkpoint_relayout.py [--repeats 3]``
@@ -66,7 +66,7 @@ def relayout_vs_torchrun(cluster: lab.Cluster, repeats: int = 3) -> dict[str, fl
         relaunch = [torchrun_resume_s(cluster, checkpoint) for _ in range(repeats)]
     out = {"relayout_s": statistics.median(hops), "relayout_and_step_s": statistics.median(with_step),
            "torchrun_resume_s": statistics.median(relaunch)}
-    out["speedup"] = out["torchrun_resume_s"] / out["relayout_s"]
+    out["speedup"] = out["torchrun_resume_s"] / out["relayout_and_step_s"]  # both: new layout, weights, one step
     return out
 
 
@@ -74,7 +74,8 @@ def report(figures: dict[str, float]) -> str:
     """The figures as the lines the benchmark prints."""
     return (f"DP4 -> TP2xDP2 ZeRO-3, same weights: Training.relayout {figures['relayout_s'] * 1e3:.0f} ms "
             f"(+ one step {figures['relayout_and_step_s'] * 1e3:.0f} ms); torchrun relaunch loading the checkpoint "
-            f"+ one step {figures['torchrun_resume_s']:.2f} s; relayout {figures['speedup']:.0f}x faster (goal >= 10x)")
+            f"+ one step {figures['torchrun_resume_s']:.2f} s; relayout and its first step {figures['speedup']:.0f}x faster "
+            "(goal >= 20x)")
 
 
 def main() -> None:

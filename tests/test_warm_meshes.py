@@ -28,6 +28,7 @@ def _run(cluster: lab.Cluster, parallel: lab.Parallel) -> list[float]:
     return lab.Experiment(cluster, TINY, parallel, global_batch=8, steps=2).run(progress=False).losses
 
 
+@pytest.mark.slow
 def test_a_shape_run_again_reuses_its_mesh_and_the_capacity_evicts_the_oldest_without_leaking(cluster):
     cluster.run(warm_meshes.release_all)
     try:
@@ -48,6 +49,7 @@ def test_a_shape_run_again_reuses_its_mesh_and_the_capacity_evicts_the_oldest_wi
     assert cluster.run(warm_meshes.kept_meshes) == [[]] * 4
 
 
+@pytest.mark.slow
 def test_a_failed_call_drops_the_kept_meshes_with_the_world(cluster):
     _run(cluster, lab.Parallel(tp=2, dp=2))
     assert all(cluster.run(warm_meshes.kept_meshes))

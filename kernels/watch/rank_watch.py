@@ -106,13 +106,13 @@ class RankWatch:
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         op, payload = _OPS[name]
-        sig = inspect.signature(fn)
+        names = tuple(inspect.signature(fn).parameters)  # the arguments by name, as Signature.bind gives them
 
         @functools.wraps(fn)  # keeps the signature for wrappers around this one (kernels.watch.comm's meter binds it)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._local, "depth", 0):  # an inner call of a logged one
                 return fn(*args, **kwargs)
-            a = sig.bind(*args, **kwargs).arguments
+            a = {**dict(zip(names, args)), **kwargs}
             group, ranks = self._group(a.get("group"))
             peer = a.get("dst", a.get("src"))  # a global rank in torch's p2p API
             if op in ("send", "recv") and peer is not None:
