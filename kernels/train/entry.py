@@ -103,9 +103,9 @@ def _loop(build: RankBuild, hooks: StepHooks, ckpt: RunCheckpoints, update: Upda
 def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train under the layout ``cfg`` (``RunConfig.to_dict()``) names; returns plain records (module docstring).
 
-    Runs on every rank of the default process group; creates and destroys its own
-    mesh sub-groups and frees the run's objects before it returns, so runs on a warm
-    pool leave only the default group behind and memory does not creep.
+    Runs on every rank of the default process group; its mesh comes from the meshes the pool keeps
+    warm (``kernels.parallel.warm_meshes``: a bounded set, evicted with their groups destroyed), and it
+    frees the run's objects before it returns, so memory does not creep on a warm pool.
     """
     run = RunConfig.from_options(cfg)
     freeze_long_lived()
