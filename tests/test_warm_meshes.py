@@ -57,3 +57,21 @@ def test_a_failed_call_drops_the_kept_meshes_with_the_world(cluster):
         cluster.run(_fail)
     assert cluster.run(warm_meshes.kept_meshes) == [[]] * 4  # the rebuilt world starts cold
     assert len(_run(cluster, lab.Parallel(tp=2, dp=2))) == 2
+
+
+@pytest.mark.slow
+def test_a_held_trainings_mesh_is_never_evicted_under_it(cluster):
+    cluster.run(warm_meshes.release_all)
+    cluster.run(_set_capacity, 1)
+    try:
+        with lab.Training(cluster, TINY, lab.Parallel(tp=2, dp=2), global_batch=8) as training:
+            training.step(1)
+            _run(cluster, lab.Parallel(dp=4))  # over the capacity: the held mesh stays, the run's may go later
+            assert all(any("tp=2" in key for key in kept) for kept in cluster.run(warm_meshes.kept_meshes))
+            training.step(1)  # its groups are alive
+            held_losses = training.losses
+        reference = _run(cluster, lab.Parallel(tp=2, dp=2))
+        assert held_losses == pytest.approx(reference, rel=1e-6)
+    finally:
+        cluster.run(_set_capacity, warm_meshes.CPU_CAPACITY)
+        cluster.run(warm_meshes.release_all)

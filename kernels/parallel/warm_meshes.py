@@ -28,6 +28,7 @@ from kernels.parallel.mesh import clear_dtensor_caches, destroy_mesh_groups, liv
 CPU_CAPACITY, GPU_CAPACITY = 6, 2  # an NCCL communicator holds device memory: fewer kept on a GPU
 
 _meshes: OrderedDict[Hashable, DeviceMesh] = OrderedDict()
+_users: dict[Hashable, int] = {}  # key -> builds holding the mesh now (a held training's stays in use between calls)
 _world: weakref.ref | None = None  # the default group the kept meshes were built in
 
 
@@ -37,25 +38,40 @@ def capacity(device_type: str) -> int:
 
 
 def warm_mesh(key: Hashable, build: Callable[[], DeviceMesh], device_type: str) -> DeviceMesh:
-    """The mesh kept under ``key`` in this world, else ``build()`` (collective) kept as the newest.
+    """The mesh kept under ``key`` in this world, else ``build()`` (collective) kept as the newest; the caller
+    holds it until ``let_go(key)``.
 
     ``key`` must name everything ``build`` depends on. Beyond ``capacity`` the least recently
-    used mesh is destroyed first, on every rank alike.
+    used mesh that nobody holds is destroyed first, on every rank alike (every rank builds and
+    lets go alike); a held training's mesh is never destroyed under it.
     """
     global _world
     world = dist.group.WORLD
     if _world is None or _world() is not world:
         forget()  # built in a world that is gone: its groups went with it
         _world = weakref.ref(world)
-    if key in _meshes:
-        _meshes.move_to_end(key)
-        return _meshes[key]
-    while len(_meshes) >= capacity(device_type):
-        _, oldest = _meshes.popitem(last=False)
-        destroy_mesh_groups(oldest)
+    if key not in _meshes:
+        _evict(capacity(device_type) - 1)
+        _meshes[key] = build()
+    _meshes.move_to_end(key)
+    _users[key] = _users.get(key, 0) + 1
+    return _meshes[key]
+
+
+def let_go(key: Hashable) -> None:
+    """The build that got ``key``'s mesh is done with it (it stays warm, now evictable)."""
+    if _users.get(key, 0) > 0:
+        _users[key] -= 1
+
+
+def _evict(keep: int) -> None:
+    """Destroy the oldest meshes nobody holds until at most ``keep`` remain (or only held ones do)."""
+    for key in [k for k in _meshes if not _users.get(k)]:
+        if len(_meshes) <= keep:
+            return
+        destroy_mesh_groups(_meshes.pop(key))
+        _users.pop(key, None)
         thaw()  # the evicted mesh may sit in long-lived cycles: the run's closing collection frees them
-    _meshes[key] = mesh = build()
-    return mesh
 
 
 def kept_meshes() -> list[str]:
@@ -69,14 +85,17 @@ def unkept_group_count() -> int:
 
 
 def release_all() -> int:
-    """Destroy every warm mesh's groups now (collective order: every rank calls it alike); returns how many."""
+    """Destroy every warm mesh's groups now, held or not (every rank calls it alike, with no training held
+    that it wants to keep); returns how many groups."""
     destroyed = destroy_mesh_groups(*_meshes.values()) if _meshes and dist.is_initialized() else 0
     _meshes.clear()
+    _users.clear()
     return destroyed
 
 
 def forget() -> None:
     """Drop the kept meshes without touching their groups (the world they lived in is being destroyed)."""
+    _users.clear()
     if _meshes:
         clear_dtensor_caches()  # they hold the meshes, and the meshes their groups
         _meshes.clear()

@@ -38,7 +38,7 @@ from kernels.parallel.expert_parallel import ExpertGradSync, expert_parameters
 from kernels.parallel.mesh import (ParallelDims, build_cp_mesh, build_ep_mesh, build_hsdp_mesh, build_mesh,
                                    dp_group, dp_rank, pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
-from kernels.parallel.warm_meshes import warm_mesh
+from kernels.parallel.warm_meshes import let_go, warm_mesh
 from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
@@ -99,6 +99,7 @@ class RankBuild:
         if self.device.type == "cuda":  # TF32 matmuls for what runs in fp32, as torch users set it on Ampere and later
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # Collective over every rank of the process group; kept warm for the next run of the same shape.
+        self.mesh_keys: list = []  # the warm meshes this build holds until close()
         self.mesh = self._mesh(build_mesh)
         self.dp_mesh = self._mesh(build_hsdp_mesh) if self.strategy.hybrid else None
         self.cp_mesh = self._mesh(build_cp_mesh) if self.dims.cp > 1 else None
@@ -122,7 +123,9 @@ class RankBuild:
 
     def _mesh(self, builder: Callable[[ParallelDims, str], DeviceMesh]) -> DeviceMesh:
         device_type = self.device.type
-        return warm_mesh((builder.__name__, self.dims, device_type), lambda: builder(self.dims, device_type), device_type)
+        key = (builder.__name__, self.dims, device_type)
+        self.mesh_keys.append(key)
+        return warm_mesh(key, lambda: builder(self.dims, device_type), device_type)
 
     def _build_flat(self) -> None:
         self.model = parallelize(build_model(model_config(self.run), device=self.device), self.strategy, self.mesh,
@@ -275,6 +278,9 @@ class RankBuild:
         return {"routing_steps": self.routing.take()} if self.routing is not None and self.routing.layers else {}
 
     def close(self) -> None:
-        """Let go of the run's hooks; its meshes stay warm (``kernels.parallel.warm_meshes``)."""
+        """Let go of the run's hooks and its meshes, which stay warm (``kernels.parallel.warm_meshes``)."""
         if self.routing is not None:
             self.routing.close()
+        for key in self.mesh_keys:
+            let_go(key)
+        self.mesh_keys = []
