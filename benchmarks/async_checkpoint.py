@@ -34,8 +34,13 @@ def blocked(cluster: lab.Cluster, model: lab.GPT, parallel: lab.Parallel, steps:
         exp = lab.Experiment(cluster, model, parallel, global_batch=8, steps=steps, checkpoint_dir=root,
                              checkpoint_every=every, checkpoint_async=asynchronous)
         records = cluster.run(train_rank, {**exp.config(), "progress": False})
-    per_save = [max(r["save_blocked_seconds"][i] for r in records) for i in range(len(records[0]["save_blocked_seconds"]))]
+    per_save = slowest_saves(records)
     return per_save[0], statistics.median(per_save[1:])
+
+
+def slowest_saves(records: list[dict]) -> list[float]:
+    """Each save's wait on the slowest rank, from the rank records' ``save_blocked_seconds``."""
+    return [max(waits) for waits in zip(*(r["save_blocked_seconds"] for r in records))]
 
 
 def main() -> None:

@@ -27,31 +27,24 @@ import warnings
 from collections.abc import Callable
 
 import lab
+from async_checkpoint import slowest_saves
 from kernels.train.entry import train_rank
+from vs_torchrun import GLOBAL_BATCH, MODEL, steady_step
 
-MODEL = lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
 LAYOUT = lab.Parallel(pp=2, dp=2, microbatches=4)
-GLOBAL_BATCH, WARMUP = 16, 5
 OFF = {"watch_collectives": False, "progress": False, "trace": False, "measure": False, "return_params": False}
 
 
-def slowest(records: list[dict]) -> list[float]:
-    """Each step's time on the slowest rank."""
-    return [max(r["step_times"][s] for r in records) for s in range(len(records[0]["step_times"]))]
-
-
 def steady(records: list[dict]) -> float:
-    return statistics.median(slowest(records)[WARMUP:])
+    return steady_step([r["step_times"] for r in records])
 
 
 def last_step(records: list[dict]) -> float:
-    return slowest(records)[-1]
+    return max(r["step_times"][-1] for r in records)
 
 
 def with_saves(records: list[dict]) -> float:
-    steps = len(records[0]["step_times"])
-    waited = sum(max(r["save_blocked_seconds"][i] for r in records) for i in range(len(records[0]["save_blocked_seconds"])))
-    return steady(records) + waited / steps
+    return steady(records) + sum(slowest_saves(records)) / len(records[0]["step_times"])
 
 
 def compare(cluster: lab.Cluster, base: dict, on: Callable[[], dict], figure: Callable[[list[dict]], float],

@@ -1,4 +1,4 @@
-"""What lives as long as the engine, out of the collector's view: ``freeze_long_lived()``, before each run.
+"""What lives as long as the engine, out of the collector's view: ``freeze_long_lived()``, before each build.
 
 A run ends with a full collection, to free its model's and optimizer's reference cycles
 (module hooks, autograd graphs) on a warm pool. Over an engine's few hundred thousand
@@ -19,7 +19,7 @@ _frozen = False
 
 
 def freeze_long_lived() -> None:
-    """Collect, then freeze what survived, unless frozen already since the last ``thaw`` (a run calls it first)."""
+    """Collect, then freeze what survived, unless frozen already since the last ``thaw`` (every build calls it first)."""
     global _frozen
     if not _frozen:
         gc.collect()

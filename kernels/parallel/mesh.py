@@ -184,7 +184,7 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     """
     clear_dtensor_caches()
     roots = _roots(meshes)
-    seen = mesh_sub_groups(*meshes)
+    seen = _root_groups(roots)
     for group in seen.values():
         dist.destroy_process_group(group)
     # A gloo group closes its connections only once freed, and DTensor's other caches keep
@@ -202,8 +202,12 @@ def _roots(meshes: tuple[DeviceMesh | None, ...]) -> list[DeviceMesh]:
 
 def mesh_sub_groups(*meshes: DeviceMesh | None) -> dict[int, dist.ProcessGroup]:
     """The groups these meshes' roots created (flattened axes included), by id; the default group left out."""
+    return _root_groups(_roots(meshes))
+
+
+def _root_groups(roots: list[DeviceMesh]) -> dict[int, dist.ProcessGroup]:
     world, seen = dist.group.WORLD, {}
-    for root in _roots(meshes):
+    for root in roots:
         for group in [*root.get_all_groups(), *getattr(root, "_pg_registry", {}).values()]:
             if group is not None and group is not world:
                 seen.setdefault(id(group), group)
@@ -211,7 +215,8 @@ def mesh_sub_groups(*meshes: DeviceMesh | None) -> dict[int, dist.ProcessGroup]:
 
 
 def live_group_count() -> int:
-    """Process groups this rank holds, the default one included: 1 between runs means nothing leaked.
+    """Process groups this rank holds, the default one included (the warm meshes' too:
+    ``kernels.parallel.warm_meshes.unkept_group_count`` is the count that says whether a run leaked).
 
     torch has no public registry of groups; ``distributed_c10d._world.pg_map`` is the
     private one that ``destroy_process_group`` removes from.

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from kernels.contract import layout_rules
-from kernels.engine.long_lived import freeze_long_lived
 from kernels.model.family import model_config
 from kernels.parallel.mesh import dp_group
 from kernels.watch.progress import reporter_for
@@ -108,7 +107,6 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     frees the run's objects before it returns, so memory does not creep on a warm pool.
     """
     run = RunConfig.from_options(cfg)
-    freeze_long_lived()
     build = RankBuild(run)  # group creation is collective over every rank of the process group, in the mesh or not
     try:
         if build.idle:  # beyond world_size: no part in this run

@@ -30,7 +30,6 @@ from typing import Any
 import torch.distributed as dist
 
 from kernels.engine import runtime
-from kernels.engine.long_lived import freeze_long_lived
 from kernels.checkpoint.save_load import load_checkpoint, save_checkpoint
 from kernels.checkpoint.files import read_meta
 from kernels.parallel.mesh import dp_group
@@ -144,7 +143,6 @@ def open_training(key: str, cfg: dict[str, Any], *, next_step: int = 0, losses: 
     ``next_step`` and ``losses`` say where the run stands (a training rebuilt under a new layout goes on from there).
     """
     close_training(key)
-    freeze_long_lived()
     live = LiveTraining(RunConfig.from_options(cfg))
     live.next_step, live.losses = next_step, list(losses or [])
     _held[key] = live

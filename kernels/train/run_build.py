@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from kernels.contract import layout_rules
 from kernels.contract.strategy import GradSync, Strategy
 from kernels.engine import runtime
+from kernels.engine.long_lived import freeze_long_lived
 from kernels.train.batches import BatchStream
 from kernels.train.data import dataset
 from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record, step_probe
@@ -93,6 +94,7 @@ class RankBuild:
     """
 
     def __init__(self, run: RunConfig) -> None:
+        freeze_long_lived()  # before anything of this build exists: its closing collection scans only the build's
         self.run = run
         self.dims, self.strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())
         self.device = runtime.rank_device()
