@@ -61,9 +61,9 @@ def test_measured_memory_at_rest_is_what_the_allocator_holds(one_gpu_rank):
     exp = lab.Experiment(one_gpu_rank, TINY, lab.Parallel(), global_batch=8, steps=2, measure=True)
     rows = {r["category"]: r["measured"] for r in exp.run().memory_records if r["moment"] == "at_rest"}
     counted = rows["params"] + rows["grads"] + rows["optimizer"]
-    # At rest the model states are nearly all that is alive: the allocator rounds each tensor up to
-    # 512 bytes, and the step's batch, loss and norm scalars are a few KiB.
-    assert counted <= rows["cuda_allocated"] <= counted + 2**20, rows
+    # At rest the model states are nearly all that is alive beside cuBLAS's workspaces: the allocator
+    # rounds each tensor up to 512 bytes, and the step's batch, loss and norm scalars are a few KiB.
+    assert counted <= rows["cuda_allocated"] - rows["cuda_workspaces"] <= counted + 2**20, rows
     assert rows["cuda_max_allocated"] >= rows["cuda_allocated"]
 
 

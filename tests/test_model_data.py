@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from kernels.train.data import SyntheticTokens, microbatches, shard_batch
+from kernels.train.data import SORTED_SUCCESSORS_MAX_VOCAB, SyntheticTokens, microbatches, shard_batch
 from kernels.contract.layout_rules import layer_split
 from kernels.model.gpt import GPTConfig, build_gpt, count_parameters, loss_fn
 from kernels.model.family import keep_stage
@@ -175,3 +175,23 @@ def test_microbatches_are_contiguous_equal_chunks():
     assert torch.equal(torch.cat(parts), x)
     with pytest.raises(ValueError, match="divisible"):
         microbatches(x, 4)
+
+
+def test_a_small_vocabulary_keeps_its_sorted_successors():
+    # The data of every model up to SORTED_SUCCESSORS_MAX_VOCAB is what it always was: notebooks' figures hold.
+    g = torch.Generator().manual_seed(3)
+    sorted_way = torch.rand(256, 256, generator=g).argsort(dim=1)[:, :4]
+    assert torch.equal(SyntheticTokens(256, 8, seed=3).successors, sorted_way)
+
+
+def test_a_large_vocabulary_builds_without_a_vocab_squared_sort():
+    # 32768 once sorted a 32768² matrix on every rank: minutes and 13 GB before the first step (seen on a GPU).
+    vocab = SORTED_SUCCESSORS_MAX_VOCAB * 16
+    data = SyntheticTokens(vocab, 16, seed=1)
+    table = data.successors
+    assert table.shape == (vocab, 4) and all(len(set(row)) == 4 for row in table.tolist())
+    assert 0 <= int(table.min()) and int(table.max()) < vocab
+    assert torch.equal(SyntheticTokens(vocab, 16, seed=1).successors, table)  # seeded
+    assert not torch.equal(SyntheticTokens(vocab, 16, seed=2).successors, table)
+    x, y = data.global_batch(0, 4)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(y.max()) < vocab

@@ -58,3 +58,17 @@ def test_per_engine_binding_shares_each_engines_own_gpu():
              for i in range(4)]
     rank_map = build_rank_map(bound, share_gpu=True)
     assert rank_map.backend == "gloo" and [r.gpu for r in rank_map.ranks] == ["0", "1", "0", "1"]
+
+
+@pytest.mark.parametrize("share_gpu", [False, True])
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_only_an_nccl_world_is_bound_to_its_gpu(gpus, share_gpu):
+    # A bound gloo world makes DeviceMesh split groups from it, which torch 2.11 cannot do for gloo.
+    from kernels.engine.runtime import bound_device
+
+    rank_map = build_rank_map(engines(4, gpus), share_gpu=share_gpu)
+    bound = [bound_device(rank_map.backend, r.device) for r in rank_map.ranks]
+    if rank_map.backend == "nccl":
+        assert [str(b) for b in bound] == [r.device for r in rank_map.ranks]
+    else:
+        assert bound == [None] * 4

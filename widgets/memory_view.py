@@ -2,8 +2,8 @@
 
 Input: ``kernels.contract.measure_records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
-``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` (not drawn: the
-allocator's view of the same tensors) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
+``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` and ``cuda_workspaces`` (not drawn: the
+allocator's view of the same tensors, and cuBLAS's part of it) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
 split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar, each part
 measured beside the lab GPT's rule of ``kernels.contract.activation_rules`` where it holds, with the source of each number)
 (any other category counts as ``other``). On GPU, ``other`` also takes what
@@ -55,7 +55,7 @@ def _bar(rank: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if r["category"] == "cuda_max_allocated":
             cuda = r.get("measured")
             continue
-        if r["category"] == "cuda_allocated":  # the allocator's view of the same tensors: not a bar of its own
+        if r["category"] in ("cuda_allocated", "cuda_workspaces"):  # the allocator's view: not a bar of its own
             continue
         cat = r["category"] if r["category"] in CATEGORIES else "other"
         _add(measured, cat, r.get("measured"))

@@ -84,6 +84,7 @@ class MemoryRecord(Record):
     moment: "at_rest" (after optimizer.step, before zero_grad) | "peak_fwd_bwd" (forward
     done, backward not started). category: params | grads | optimizer | activations |
     cuda_allocated (the allocator now) | cuda_max_allocated (its peak in the step) |
+    cuda_workspaces (cuBLAS's workspaces, part of cuda_allocated) |
     activations.<part> (the activations again, by part: kernels/measure/activation_parts.py). Bytes throughout.
     """
 

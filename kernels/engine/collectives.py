@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels.engine.runtime import rank_device
+
 
 def collective_inputs(op: str, rank: int, world: int) -> list[float]:
     """The input a rank contributes to ``op``: a pure function of (op, rank, world)."""
@@ -38,14 +40,15 @@ def collective_inputs(op: str, rank: int, world: int) -> list[float]:
 
 
 def run_collectives() -> list[dict[str, Any]]:
-    """Run every collective once on the default group and return one record each."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Run every collective once on the default group, on this rank's device (NCCL takes only GPU tensors),
+    and return one record each."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     records = []
     for op, step in (("all_reduce", _all_reduce), ("all_gather", _all_gather),
                      ("reduce_scatter", _reduce_scatter), ("broadcast", _broadcast),
                      ("send_recv", _send_recv)):
         data = collective_inputs(op, rank, world)
-        output = step(torch.tensor(data), rank, world)
+        output = step(torch.tensor(data, device=device), rank, world)
         records.append({"op": op, "rank": rank, "input": data, "output": output.tolist()})
     return records
 
@@ -62,7 +65,7 @@ def _all_gather(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    out = torch.empty(1)
+    out = torch.empty(1, device=x.device)
     dist.reduce_scatter(out, list(x.chunk(world)))  # chunk r of every rank is summed into rank r
     return out
 

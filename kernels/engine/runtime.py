@@ -154,7 +154,7 @@ def join_world(spec: dict[str, Any]) -> dict[str, Any]:
         spec["master_addr"], int(spec["port"]), world, is_master=False, timeout=timeout)
     flight_recorder.enable()  # read when the group is made: hang reports use torch's own record
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=world,
-                            timeout=timeout, device_id=_device_id(spec["device"]))
+                            timeout=timeout, device_id=bound_device(spec["backend"], spec["device"]))
     _master_store = None
     probe = torch.tensor([float(rank)], device=spec["device"])
     dist.all_reduce(probe)
@@ -190,9 +190,15 @@ def interface_of(addr: str) -> str:
     raise RuntimeError(f"no network interface of {socket.gethostname()} holds the address {addr}")
 
 
-def _device_id(device: str) -> torch.device | None:
-    # Binding the device lets NCCL connect eagerly; gloo on CPU needs no device.
-    return torch.device(device) if device.startswith("cuda") else None
+def bound_device(backend: str, device: str) -> torch.device | None:
+    """The ``device_id`` a rank's world is bound to: its GPU under NCCL, else none.
+
+    Binding lets NCCL connect eagerly and split subgroups from the world. A gloo world
+    on a shared GPU stays unbound: DeviceMesh then splits its groups from the gloo world,
+    which deep-copies gloo's options, and torch 2.11 cannot copy them ("cannot pickle
+    '_Options' object", seen on an H200).
+    """
+    return torch.device(device) if backend == "nccl" and device.startswith("cuda") else None
 
 
 def leave_world() -> bool:

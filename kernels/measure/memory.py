@@ -41,7 +41,10 @@ policy shows them to ``SavedActivations`` (``observe_selective_saves``). On CUDA
 allocator's own figures are reported beside them (``None`` on CPU):
 ``torch.cuda.memory_allocated`` at the moment (``cuda_allocated``: every live tensor,
 the tensors counted above included) and ``torch.cuda.max_memory_allocated`` since the
-measured step began (``cuda_max_allocated``).
+measured step began (``cuda_max_allocated``). Part of ``cuda_allocated`` is no tensor of the
+model's: cuBLAS keeps a workspace per stream in the caching allocator (32 MiB each on Hopper);
+``cuda_workspaces`` is what freeing them releases at that moment (a later matmul takes them back
+from the allocator's cache).
 
 Run alone (one rank, prints both moments for the tiny GPT)::
 
@@ -190,7 +193,15 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, moment: str,
     cuda = device is not None and device.type == "cuda"
     out["cuda_allocated"] = int(torch.cuda.memory_allocated(device)) if cuda else None
     out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    out["cuda_workspaces"] = cublas_workspace_bytes(device) if cuda else None
     return out
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """Bytes of ``torch.cuda.memory_allocated`` that are cuBLAS workspaces, found by freeing them now."""
+    before = torch.cuda.memory_allocated(device)
+    torch._C._cuda_clearCublasWorkspaces()
+    return int(before - torch.cuda.memory_allocated(device))
 
 
 def _main() -> None:

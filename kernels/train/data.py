@@ -24,6 +24,7 @@ Run alone (prints a sample and the entropy floor)::
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -37,6 +38,9 @@ from kernels.train.task_data import ModularAddition
 from kernels.train.token_data import StepBatches, TokenWindows, stream
 
 _BRANCH_WEIGHTS = (8.0, 4.0, 2.0, 1.0)  # successor probabilities ∝ these: entropy ≈ 1.14 nats
+# Up to here the successors come from sorting a V×V random matrix, as they always have (the data of
+# every small model stays the same); above, that sort takes minutes and V²·12 bytes (13 GB at 32768).
+SORTED_SUCCESSORS_MAX_VOCAB = 2048
 
 
 def _mix(seed: int, step: int) -> int:
@@ -56,9 +60,7 @@ class SyntheticTokens:
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be positive")
         self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
-        g = torch.Generator().manual_seed(seed)
-        # successors[t] holds the distinct tokens that may follow t: (V, branches)
-        self.successors = torch.rand(vocab, vocab, generator=g).argsort(dim=1)[:, :branches]
+        self.successors = successor_table(vocab, branches, seed)  # (V, branches): the distinct tokens after t
         w = torch.tensor(_BRANCH_WEIGHTS)
         self.branch_probs = w / w.sum()  # (branches,)
 
@@ -83,6 +85,22 @@ class SyntheticTokens:
         for t in range(T):
             seq[:, t + 1] = self.successors[seq[:, t], branch[:, t]]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+@functools.lru_cache(maxsize=4)  # a warm pool's next run of the same vocabulary finds it built
+def successor_table(vocab: int, branches: int, seed: int) -> torch.Tensor:
+    """(vocab, branches) int64: for each token, ``branches`` distinct tokens that may follow it, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    if vocab <= SORTED_SUCCESSORS_MAX_VOCAB:
+        return torch.rand(vocab, vocab, generator=g).argsort(dim=1)[:, :branches]
+    table = []
+    for row in torch.randint(0, vocab, (vocab, 2 * branches), generator=g).tolist():
+        chosen = list(dict.fromkeys(row))[:branches]  # the first distinct draws, in order
+        while len(chosen) < branches:
+            extra = int(torch.randint(0, vocab, (1,), generator=g))
+            chosen += [] if extra in chosen else [extra]
+        table.append(chosen)
+    return torch.tensor(table)
 
 
 class GlobalBatches(Protocol):

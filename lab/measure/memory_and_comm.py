@@ -139,6 +139,9 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
         rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_max_allocated",
                                  measured=snap.get("cuda_max_allocated"), predicted=None, formula=None,
                                  note="torch.cuda.max_memory_allocated since the step began; None on CPU"))
+        rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_workspaces",
+                                 measured=snap.get("cuda_workspaces"), predicted=None, formula=None,
+                                 note="cuBLAS workspaces inside cuda_allocated (one per stream); None on CPU"))
     if record.get("activations_held"):  # a pipeline step: the most activations held at once, no model states then
         rows += _activation_rows(record, "peak_fwd_bwd", record["activations_held"])
     return rows
