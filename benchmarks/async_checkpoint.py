@@ -11,7 +11,7 @@ On this 2-core machine the background write has no idle core: it slows the steps
 ``benchmarks/checkpoint.py`` reports as the step-time cost. This one is what the loop itself waits for.
 Goal: blocked ≤ 10% of a synchronous save.
 
-Run: ``python benchmarks/async_checkpoint.py [--steps 12] [--every 3] [--d-model 256]``
+Run: ``python benchmarks/async_checkpoint.py [--steps 30] [--every 3] [--d-model 256]``
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def slowest_saves(records: list[dict]) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--d-model", type=int, default=256)
     args = parser.parse_args()

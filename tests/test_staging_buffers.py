@@ -4,9 +4,13 @@
 DCP's ``DefaultStager`` and afterwards copies only tensor data into that copy. Each save's
 staged dict must equal a fresh ``DefaultStager`` copy of the same state, must not change
 when the training changes its tensors afterwards, and a state of another shape must get
-a new deep copy. One process, a gloo world of one (for the DTensor).
+a new deep copy. The copy runs on the stager's own thread (torch >= 2.9), so the training goes on
+while it runs. One process, a gloo world of one (for the DTensor).
 """
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
+from kernels.checkpoint.staging_buffers import STAGES_IN_BACKGROUND, ReusedStagingBuffers
 
 
 @pytest.fixture
@@ -39,6 +43,13 @@ def _plain(state) -> object:
     return state.to_local().clone() if isinstance(state, DTensor) else state
 
 
+def _staged(stager: ReusedStagingBuffers, state: dict) -> dict:
+    """What ``stage`` staged, once its copy is done."""
+    out = stager.stage(state)
+    stager.start()
+    return out.result() if isinstance(out, Future) else out
+
+
 def _equal(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
@@ -49,10 +60,10 @@ def test_later_saves_copy_into_the_first_saves_buffers_and_equal_dcps_own_stagin
     library = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                            use_async_staging=False, use_non_blocking_copy=False))
     stager = ReusedStagingBuffers()
-    first = stager.stage(_state(mesh, 1.0))
+    first = _staged(stager, _state(mesh, 1.0))
     for scale in (2.0, 3.0):
         live = _state(mesh, scale)
-        staged = stager.stage(live)
+        staged = _staged(stager, live)
         assert staged is first  # the same buffers
         assert _equal(_plain(staged), _plain(library.stage(live)))
         assert isinstance(staged["model"]["w"], DTensor) and staged["model"]["w"].placements == (Shard(0),)
@@ -67,12 +78,34 @@ def test_later_saves_copy_into_the_first_saves_buffers_and_equal_dcps_own_stagin
 
 def test_a_state_of_another_shape_is_deep_copied_again(mesh):
     stager = ReusedStagingBuffers()
-    first = stager.stage(_state(mesh, 1.0))
+    first = _staged(stager, _state(mesh, 1.0))
     grown = _state(mesh, 1.0)
     grown["model"]["b"] = torch.ones(5)
-    assert stager.stage(grown) is not first and stager.deep_copies == 2
+    assert _staged(stager, grown) is not first and stager.deep_copies == 2
     renamed = _state(mesh, 1.0)
     renamed["model"]["c"] = renamed["model"].pop("b")
-    again = stager.stage(renamed)
+    again = _staged(stager, renamed)
     assert stager.deep_copies == 3 and torch.equal(again["model"]["c"], renamed["model"]["c"])
+    stager.close()
+
+
+@pytest.mark.skipif(not STAGES_IN_BACKGROUND, reason="dcp.async_save takes a stager's future from torch 2.9 on")
+def test_the_copy_runs_on_the_stagers_thread_from_start_while_the_caller_goes_on(mesh):
+    stager = ReusedStagingBuffers()
+    _staged(stager, _state(mesh, 1.0))
+    where, copying, release = {}, threading.Event(), threading.Event()
+    original = stager._copy
+
+    def held_copy(state):  # the copy waits until the caller has gone on, which it could not if it ran inline
+        where["thread"] = threading.current_thread().name
+        copying.set()
+        assert release.wait(10)
+        return original(state)
+    stager._copy = held_copy
+    future = stager.stage(_state(mesh, 2.0))
+    assert isinstance(future, Future) and not copying.wait(0.2)  # not before start: the caller is still saving
+    stager.start()
+    assert copying.wait(10) and not future.done()
+    release.set()
+    assert future.result()["model"]["b"][0] == 2.0 and where["thread"].startswith("lab-checkpoint-staging")
     stager.close()

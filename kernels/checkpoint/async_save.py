@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (``checkpoint_async=True``): staged to CPU memory now, written in the background.
+"""Asynchronous checkpoint saves (``checkpoint_async=True``): staged to CPU memory beside the next step, written in the background.
 
 Algorithm: ``dcp.async_save`` copies the state to CPU memory (into the buffers of the
 run's first save: ``kernels.checkpoint.staging_buffers``) and writes it from a background
@@ -38,9 +38,10 @@ class _CachedPlans(DefaultSavePlanner):
 
 
 class AsyncSaver:
-    """``checkpoint_async=True``: each save is staged to CPU memory now and written in the background.
+    """``checkpoint_async=True``: each save is staged to CPU memory beside the next step and written in the background.
 
-    One save is in flight at a time (the next waits for it, so it may copy into the same
+    ``staged()`` must run before the training next changes the parameters or the optimizer
+    state (``RunCheckpoints.before_update``). One save is in flight at a time (the next waits for it, so it may copy into the same
     staging buffers); ``wait()`` finishes the last.
     The background writes use their own gloo group, so they never interleave with the
     training's collectives on the default group.
@@ -54,20 +55,39 @@ class AsyncSaver:
         self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
         self.stager = ReusedStagingBuffers()
         self.pending: Future | None = None
+        self.staging: Future | None = None  # the copy to CPU memory under way, before the write
 
     def save(self, path: str, model: nn.Module, optimizer, meta: dict[str, Any]) -> None:
-        """Like ``save_checkpoint``, returning once the state is copied; rank 0 renames when the write is done."""
+        """Like ``save_checkpoint``, returning once the copy to CPU memory has started; rank 0 renames when the write
+        is done."""
         self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
         final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        future = dcp.async_save(checkpoint_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
-                                process_group=self.group, planner=self.planner, async_stager=self.stager)
-        meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the training waited for
+        try:
+            future = dcp.async_save(checkpoint_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
+                                    process_group=self.group, planner=self.planner, async_stager=self.stager)
+        finally:  # the writer waits for the copy: start it whatever happened
+            self.stager.start()
+        if not isinstance(future, Future):  # torch >= 2.9 with a stager's future: staging and writing apart
+            self.staging, future = future.staging_completion, future.upload_completion
+        meta = {**meta, "staging_seconds": time.perf_counter() - began}  # what the save call held the training
         if dist.get_rank() == 0:  # done once named: a future of its own, set after the renaming
             named: Future = Future()
             future.add_done_callback(lambda f: self._finalize(f, named, partial, final, meta, began))
             future = named
         self.pending = future
+
+    def staged(self) -> float:
+        """Wait for the copy to CPU memory under way, if any (raising its error); the seconds waited.
+
+        Call it before the training changes the parameters or the optimizer state.
+        """
+        staging, self.staging = self.staging, None
+        if staging is None:
+            return 0.0
+        began = time.perf_counter()
+        staging.result()
+        return time.perf_counter() - began
 
     @staticmethod
     def _finalize(written: Future, named: Future, partial: Path, final: Path, meta: dict[str, Any],
@@ -82,6 +102,7 @@ class AsyncSaver:
 
     def _finish_local(self, barrier: bool = False) -> None:
         """Wait for this rank's save in flight (raising its error); with ``barrier``, for every rank's too."""
+        self.staged()
         pending, self.pending = self.pending, None
         if pending is not None:
             try:

@@ -10,18 +10,28 @@ afterwards copies only the tensors' local data into that copy (``Tensor.copy_`` 
 local shards) and replaces its plain values (settings, RNG state). A save whose keys or
 shapes differ from the first is deep-copied again.
 
-The buffers are reused, so a save may only be staged once the previous one is written;
-``kernels.checkpoint.async_save.AsyncSaver`` keeps one save in flight for that reason.
+The copying runs on a thread of its own: ``stage`` returns a future at once, ``start`` (called
+once ``dcp.async_save`` has returned, so that the copy's Python work does not hold the GIL
+while the training thread is still inside the save call) begins the copy, and the training
+goes on with its next forward and backward while the copy runs. The training must not change
+the parameters or the optimizer state before the future is done: ``AsyncSaver.staged`` waits
+for it right before the next optimizer step. ``dcp.async_save`` takes a stager's future from
+torch 2.9 on (``AsyncSaveResponse``); before, the copy runs on the caller's thread. The buffers are reused, so a save may only be
+staged once the previous one is written; ``AsyncSaver`` keeps one save in flight for that reason.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from kernels.parallel.mesh import local_part
+
+STAGES_IN_BACKGROUND = hasattr(state_dict_saver, "AsyncSaveResponse")  # async_save takes a stager's future
 
 
 def _pairs(fresh: Any, staged: Any, out: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -51,33 +61,57 @@ def _replace_plain(fresh: dict, staged: dict) -> None:
 
 
 class ReusedStagingBuffers(AsyncStager):
-    """Stage a state dict by copying into the buffers of the first one staged (module docstring)."""
+    """Stage a state dict by copying into the buffers of the first one staged, on a thread (module docstring)."""
 
-    _synchronize_after_execute = False  # staging is done when ``stage`` returns
+    _synchronize_after_execute = False  # the caller waits on the future ``stage`` returns
 
     def __init__(self) -> None:
         self._full = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                   use_async_staging=False, use_non_blocking_copy=False))
         self._staged: dict | None = None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lab-checkpoint-staging")
+        self._next: tuple[dict[str, Any], Future] | None = None  # staged, not started
         self.deep_copies = 0  # how many saves needed the full copy (1 in a run whose state keeps its shape)
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A CPU copy of ``state_dict`` that the training may go on changing; the same object save after save."""
+    def stage(self, state_dict: dict[str, Any]) -> Future | dict[str, Any]:
+        """A future of a CPU copy of ``state_dict`` (the copy itself before torch 2.9), the same object save after
+        save; the copy begins at ``start``, and until the future is done the training must not change the
+        tensors ``state_dict`` holds."""
+        if not STAGES_IN_BACKGROUND:
+            return self._copy(state_dict)
+        self._next = (state_dict, Future())
+        return self._next[1]
+
+    def start(self) -> None:
+        """Begin the copy of the state dict staged last, on the stager's thread (nothing staged: nothing to do)."""
+        staged, self._next = self._next, None
+        if staged is not None:
+            self._copier.submit(self._fill, *staged)
+
+    def _fill(self, state_dict: dict[str, Any], future: Future) -> None:
+        try:
+            future.set_result(self._copy(state_dict))
+        except BaseException as error:  # handed whole to the writer and to ``AsyncSaver.staged``
+            future.set_exception(error)
+
+    @torch.no_grad()  # grad mode is per thread: ``to_local`` on a parameter must not record a graph here
+    def _copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self._staged is None or not _pairs(state_dict, self._staged, pairs):
             self._staged = self._full.stage(state_dict)
             self.deep_copies += 1
             return self._staged
-        with torch.no_grad():
-            for source, buffer in pairs:
-                buffer.copy_(source)
+        for source, buffer in pairs:
+            buffer.copy_(source)
         _replace_plain(state_dict, self._staged)
         return self._staged
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` copies synchronously."""
+        """Nothing to wait for here: whoever staged waits on the future ``stage`` returned."""
 
     def close(self) -> None:
-        """Drop the buffers."""
+        """Finish a copy under way, stop the thread and drop the buffers."""
+        self.start()  # a copy never started would leave its writer waiting for good
+        self._copier.shutdown(wait=True)
         self._staged = None
         self._full.close()

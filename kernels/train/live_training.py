@@ -61,6 +61,8 @@ class LiveTraining:
                                           ranks=list(range(size)), group=self.group)
         # The spike guard, clipping and lr schedule, held between calls (kernels.train.update_rules).
         self.update = None if self.idle else self.build.update_rules()
+        if self.update is not None:
+            self.update.before_update = self.checkpoints.before_update
 
     def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
         """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.

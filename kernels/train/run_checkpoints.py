@@ -96,7 +96,8 @@ class RunCheckpoints:
 
     def record(self) -> dict[str, Any]:
         """The rank record's part: the step this run started at, how long its load took, and how long each save
-        held the training up (an asynchronous one: the wait for the previous write, then the copy to CPU memory)."""
+        held the training up (an asynchronous one: the wait for the previous write, building what is saved, and the
+        wait before the next optimizer step for the copy to CPU memory)."""
         return {"first_step": self.first_step, "load_seconds": self.load_seconds,
                 "save_blocked_seconds": list(self.save_blocked)}
 
@@ -116,6 +117,12 @@ class RunCheckpoints:
         else:
             save_checkpoint(path, self.model, self.optimizer, meta, process_group=self.group)
         self.save_blocked.append(time.perf_counter() - began)
+
+    def before_update(self) -> None:
+        """Right before the optimizer step: an asynchronous save's copy to CPU memory must be done; the wait counts as
+        that save's blocked time."""
+        if self.saver is not None and self.saver.staging is not None:
+            self.save_blocked[-1] += self.saver.staged()
 
     def wait(self) -> None:
         """Return once every save so far is complete (a held training's call ends with its checkpoints named)."""

@@ -63,6 +63,8 @@ class UpdateRules:
         self.guard = LossGuard(run.spike_guard) if run.spike_guard is not None else None
         self.step = 0  # the run's step the next update is
         self.lrs: list[float] = []  # the lr of each step applied since the last take
+        # Runs right before the parameters change: an asynchronous save's copy must be done (RunCheckpoints).
+        self.before_update: Callable[[], None] = lambda: None
 
     @property
     def needs_loss(self) -> bool:
@@ -88,6 +90,7 @@ class UpdateRules:
         ``loss`` is the step's global loss (None when no guard reads it).
         """
         norm = None
+        self.before_update()
         self.lrs.append(float(self.optimizer.param_groups[0]["lr"]))
         skipped = self.guard is not None and self.guard.judge(self.step, float(loss)) is not None
         if not skipped:
