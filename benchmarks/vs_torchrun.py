@@ -4,11 +4,12 @@ For PP2×DP2, TP2×DP2 (ZeRO-3), ZeRO-3 DP4 and PP2×TP2 (4 CPU ranks, gloo, 1 t
 
 1. Steady-state step time: the median over steps (after warm-up) of the slowest rank's step
    time, through ``lab.Experiment.run`` on a warm pool vs the same ``kernels.train.entry`` under
-   ``torchrun``. Each figure is the median of ``--rounds`` rounds; a round runs the lab, the same
-   rank entry bare on the pool (``cluster.run(train_rank, ...)`` with no collective log and no progress
-   records), then torchrun, so the three alternate and share the machine's drift. The lab's overhead is
-   split by source: its watching (lab minus bare) and the engine process with the driver (bare minus
-   torchrun). Goal: ≤ 1.02×.
+   ``torchrun``. Each figure is the median of ``--rounds`` rounds; a round runs the lab as it runs by
+   default (watched, with progress records), the lab unwatched (``Experiment(watch=False)``,
+   ``run(progress=False)``: no collective log, no progress records), then torchrun, so the three
+   alternate and share the machine's drift. The lab's overhead is split by source: its watching
+   (watched minus unwatched) and the engine process with the driver (unwatched minus torchrun).
+   Goal: ≤ 1.02×.
 2. Time from "new Parallel settings" to "first step done": a one-step ``Experiment.run`` on the
    warm pool right after a run under another layout, vs a fresh ``torchrun`` launch of the same
    one-step job, process start to exit; once for a layout the pool ran before (its mesh kept warm,
@@ -31,7 +32,6 @@ import warnings
 from pathlib import Path
 
 import lab
-from kernels.train.entry import train_rank
 from kernels.parallel import warm_meshes
 
 MODEL = lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
@@ -65,14 +65,14 @@ def run_torchrun(exp: lab.Experiment) -> tuple[float, list[list[float]]]:
 
 
 def steady(cluster: lab.Cluster, name: str, steps: int, rounds: int) -> dict[str, float]:
-    """Median over ``rounds`` alternating rounds of the steady step: the lab as users run it, the same rank
-    entry bare on the pool (no collective log, no progress records), and torchrun."""
+    """Median over ``rounds`` alternating rounds of the steady step: the lab as it runs by default, the lab
+    unwatched (no collective log, no progress records), and torchrun."""
     exp = lab.Experiment(cluster, MODEL, LAYOUTS[name], global_batch=GLOBAL_BATCH, steps=steps)
-    bare = {**exp.config(), "watch_collectives": False, "progress": False}
+    bare = lab.Experiment(cluster, MODEL, LAYOUTS[name], global_batch=GLOBAL_BATCH, steps=steps, watch=False)
     figures: dict[str, list[float]] = {"lab": [], "bare": [], "torchrun": []}
     for _ in range(rounds):
         figures["lab"].append(steady_step(exp.run().step_times))
-        figures["bare"].append(steady_step([r["step_times"] for r in cluster.run(train_rank, bare)]))
+        figures["bare"].append(steady_step(bare.run(progress=False).step_times))
         figures["torchrun"].append(steady_step(run_torchrun(exp)[1]))
     return {k: statistics.median(v) for k, v in figures.items()}
 
@@ -109,10 +109,11 @@ def main() -> None:
             for name in LAYOUTS:
                 f = steady(cluster, name, args.steps, args.rounds)
                 watching, engine = f["lab"] - f["bare"], f["bare"] - f["torchrun"]
-                print(f"  {name}: lab {f['lab'] * 1e3:.1f} ms, torchrun {f['torchrun'] * 1e3:.1f} ms, "
-                      f"ratio {f['lab'] / f['torchrun']:.3f}x (goal <= 1.02x); overhead by source: the lab's "
-                      f"watching (collective log, beacon, progress records) {watching * 1e3:+.1f} ms, the engine "
-                      f"process and the driver {engine * 1e3:+.1f} ms (benchmarks/overheads.py splits the watching)")
+                print(f"  {name}: lab {f['lab'] * 1e3:.1f} ms ({f['lab'] / f['torchrun']:.3f}x), lab unwatched "
+                      f"{f['bare'] * 1e3:.1f} ms ({f['bare'] / f['torchrun']:.3f}x), torchrun "
+                      f"{f['torchrun'] * 1e3:.1f} ms (goal <= 1.02x); overhead by source: the lab's watching "
+                      f"(collective log, beacon, progress records) {watching * 1e3:+.1f} ms, the engine process "
+                      f"and the driver {engine * 1e3:+.1f} ms (benchmarks/overheads.py splits the watching)")
         if args.only != "steady":
             print("new settings -> first step done (the pool last ran another layout):")
             for name in LAYOUTS:

@@ -240,3 +240,22 @@ def test_slow_rank_makes_the_others_wait_in_the_gradient_all_reduce_for_about_th
     assert slow.stragglers() == [2] and base.stragglers() == []
     marked = [row["rank"] for row in rank_rows(slow.progress, 4, finished=True) if row["straggler"]]
     assert marked == [2]  # the dashboard's own rows, from the live progress records
+
+
+def test_an_unwatched_run_trains_alike_and_its_ranks_publish_nothing(cluster):
+    # watch=False is the torchrun-speed switch: the same losses, no collective log written, no waits recorded.
+    parallel = lab.Parallel(pp=2, dp=2, microbatches=2)
+    watched = lab.Experiment(cluster, lab.GPT(**MODEL), parallel, global_batch=8, steps=2).run(progress=False)
+    paths = [log_path(r.pid, cluster._dump_dir()) for r in cluster.rank_map.ranks]
+    before = [read_state(p).counter for p in paths]
+    bare = lab.Experiment(cluster, lab.GPT(**MODEL), parallel, global_batch=8, steps=2, watch=False).run(progress=False)
+    assert bare.losses == watched.losses and watched.step_waits and not bare.step_waits
+    assert [read_state(p).counter for p in paths] == before
+
+
+def test_an_unwatched_held_training_goes_on_like_a_watched_one(cluster):
+    model, parallel = lab.GPT(**MODEL), lab.Parallel(dp=2, tp=2)
+    with lab.Training(cluster, model, parallel) as watched, lab.Training(cluster, model, parallel, watch=False) as bare:
+        first, first_watched = bare.step(2), watched.step(2)
+        assert first.losses == first_watched.losses and first_watched.step_waits and not first.step_waits
+        assert bare.step(1).losses == watched.step(1).losses

@@ -42,6 +42,10 @@ costs what it did):
   ``lab.HangError`` with a ``HangReport`` (``lab.pool.hang_report``). Every run publishes
   each rank's collectives (``kernels.watch.rank_watch``), so a timeout or an interrupt carries
   the same report; ``RunResult.step_waits`` has each rank's wait and compute per step.
+- ``watch=False``: the ranks publish nothing of their collectives, for the step a plain torchrun
+  script takes (the watch costs a few microseconds per collective, ~3 ms a step for PP2×DP2 on
+  4 CPU ranks: ``benchmarks/vs_torchrun.py``); a hang is then reported without the ranks'
+  collectives, ``step_waits`` stays empty, and ``hang_after`` and ``faults`` are refused.
 - ``grad_clip=``, ``lr_schedule=``, ``shuffle=``, ``spike_guard=`` (``lab.run.training_hygiene``): clipping by the
   global norm, a learning-rate schedule, the data's order epoch by epoch, and skipping a bad batch's update
   (``RunResult.spikes``; ``lab.PoisonBatch`` in ``faults`` makes one), all applied alike in ``reference()``.
@@ -71,7 +75,7 @@ from lab.pool.cluster import Cluster
 from lab.run.data_sources import data_problems, data_spec
 from lab.run.own_models import own_config
 from lab.run.events import EventSink, on_event_problems
-from lab.run.faults import fault_problems, fault_records, hang_after_problems, poison_records
+from lab.run.faults import fault_problems, fault_records, hang_after_problems, poison_records, unwatched_problems
 from lab.run.training_hygiene import schedule_record
 from lab.pool.hang_report import HangWatch
 from lab.run.parallel import Parallel, ParallelConfigError
@@ -95,7 +99,7 @@ class Experiment:
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume_from: Any = None,
                  checkpoint_async: bool = False, faults: Sequence[Any] = (), hang_after: float | None = None,
                  data: Any = None, on_event: Any = None, grad_clip: float | None = None, lr_schedule: Any = None,
-                 shuffle: bool | None = None, spike_guard: Any = None) -> None:
+                 shuffle: bool | None = None, spike_guard: Any = None, watch: bool = True) -> None:
         self.cluster, self.parallel = cluster, parallel
         self.model, model_problems = run_model(model)
         problems = list(model_problems)
@@ -105,7 +109,8 @@ class Experiment:
         # checkpoints (lab.run.checkpointing): paths made absolute, as the ranks' working directory may differ
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
         self.checkpoint_every, self.resume_from, self.checkpoint_async = checkpoint_every, resume_from, checkpoint_async
-        self.faults, self.hang_after, self.on_event = faults, hang_after, on_event
+        self.faults, self.hang_after, self.on_event, self.watch = faults, hang_after, on_event, watch
+        problems += unwatched_problems(watch, hang_after, faults)
         try:  # what data= names, as the ranks will receive it (lab.run.data_sources)
             self.data_spec = data_spec(data)
         except ConfigError as error:
@@ -159,7 +164,7 @@ class Experiment:
             checkpoint_dir=self.checkpoint_dir, checkpoint_every=self.checkpoint_every,
             checkpoint_async=self.checkpoint_async,
             resume_from=None if self.resume_from is None else os.fspath(self.resume_from),
-            watch_collectives=True, faults=fault_records(self.faults), poison=poison_records(self.faults),
+            watch_collectives=self.watch, faults=fault_records(self.faults), poison=poison_records(self.faults),
             grad_clip=self.grad_clip, lr_schedule=self.lr_schedule, shuffle=self.shuffle, spike_guard=self.spike_guard)
 
     def config(self, *, return_params: bool = False) -> dict[str, Any]:

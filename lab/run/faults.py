@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kernels.contract.config_rules import Problem
@@ -153,6 +154,17 @@ def hang_after_problems(hang_after: Any) -> list[Problem]:
                               and math.isfinite(hang_after) and hang_after > 0):
         return []
     return [("hang-after", f"hang_after must be None or a number of seconds > 0, got {hang_after!r}")]
+
+
+def unwatched_problems(watch: Any, hang_after: Any, faults: Sequence[Any]) -> list[Problem]:
+    """[watch]: unwatched, no ``hang_after`` (its report reads the watch) and no faults (the watch strikes them).
+
+    That ``watch`` is a bool is RunConfig's [bool-flags] rule (``watch_collectives``)."""
+    if watch is not False:
+        return []
+    return ([("watch", "hang_after needs watch=True: a hang report names what each rank's watch published")]
+            * (hang_after is not None)
+            + [("watch", "faults need watch=True: the rank's watch strikes them")] * bool(faults))
 
 
 def _is_int(x: Any) -> bool:

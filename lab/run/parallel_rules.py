@@ -53,6 +53,7 @@ RULES = {
     "faults": "faults is a list of lab.Slow/Hang/Crash/Kill on ranks of the pool, at steps the run takes, and "
               "lab.PoisonBatch at such a step (kind 'nan' or 'spike', scale > 1)",
     "hang-after": "hang_after is None or a number of seconds > 0",
+    "watch": "hang_after and faults need watch=True: the rank's watch publishes and strikes them",
     # Training hygiene (kernels.contract.training_hygiene, lab.run.training_hygiene).
     "grad-clip": "grad_clip is None or a finite number > 0: the global L2 norm of the gradient each step may apply",
     "lr-schedule": "lr_schedule is None, lab.WarmupCosine (total_steps > warmup_steps >= 0, min_factor in [0, 1]), "

@@ -20,7 +20,7 @@ the model, the optimizer and the data position there between cells:
   last complete save with ``Training.load``; ``checkpoint_async=True`` writes them in the
   background (``dcp.async_save``, as an Experiment's), and ``step()`` returns once the last
   one is complete;
-- ``grad_clip``, ``lr_schedule``, ``shuffle``, ``spike_guard`` as an Experiment's (``lab.run.training_hygiene``):
+- ``grad_clip``, ``lr_schedule``, ``shuffle``, ``spike_guard`` (``lab.run.training_hygiene``) and ``watch`` as an Experiment's:
   the schedule goes on at the global step, and the guard's window lives on the ranks between calls;
 - ``save(path)`` writes a checkpoint (``kernels.checkpoint.save_load``: any layout loads it, an
   ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
@@ -83,11 +83,11 @@ class Training:
                  checkpoint_async: bool = False, data: Any = None, auto_resume: bool = False,
                  faults: Sequence[Any] = (), hang_after: float | None = None, on_event: Any = None,
                  grad_clip: float | None = None, lr_schedule: Any = None, shuffle: bool | None = None,
-                 spike_guard: Any = None) -> None:
+                 spike_guard: Any = None, watch: bool = True) -> None:
         self._setup(cluster, model, parallel, dict(global_batch=global_batch, lr=lr, optimizer=optimizer, seed=seed,
                                                    data=data, auto_resume=auto_resume, faults=faults,
                                                    grad_clip=grad_clip, lr_schedule=lr_schedule, shuffle=shuffle,
-                                                   spike_guard=spike_guard,
+                                                   spike_guard=spike_guard, watch=watch,
                                                    hang_after=hang_after, on_event=on_event,
                                                    trace=trace, synthetic_forward_s=synthetic_forward_s,
                                                    measure=measure, compile=compile,
