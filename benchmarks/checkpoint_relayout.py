@@ -73,7 +73,8 @@ def relayout_vs_torchrun(cluster: lab.Cluster, repeats: int = 3) -> dict[str, fl
 def report(figures: dict[str, float]) -> str:
     """The figures as the lines the benchmark prints."""
     return (f"DP4 -> TP2xDP2 ZeRO-3, same weights: Training.relayout {figures['relayout_s'] * 1e3:.0f} ms "
-            f"(with its first step {figures['relayout_and_step_s'] * 1e3:.0f} ms); torchrun relaunch loading the checkpoint "
+            f"(with its first step {figures['relayout_and_step_s'] * 1e3:.0f} ms); "
+            "torchrun relaunch loading the checkpoint "
             f"+ one step {figures['torchrun_resume_s']:.2f} s; relayout and its first step {figures['speedup']:.0f}x faster "
             "(goal >= 20x)")
 

@@ -3,7 +3,8 @@
 Input: ``kernels.contract.measure_records.MemoryRecord`` records or their ``to_dict()`` dicts (checked by
 ``MemoryRecord.from_dict``), in bytes, with moment ``at_rest`` | ``peak_fwd_bwd`` and category
 ``params`` | ``grads`` | ``optimizer`` | ``activations`` | ``cuda_allocated`` and ``cuda_workspaces`` (not drawn: the
-allocator's view of the same tensors, and cuBLAS's part of it) | ``cuda_max_allocated`` | ``activations.<part>`` (the activations again,
+allocator's view of the same tensors, and cuBLAS's part of it) | ``cuda_max_allocated`` |
+``activations.<part>`` (the activations again,
 split by the part of the model that saved them: a table under the rank, ``.cl-mem-parts``, not a bar, each part
 measured beside the lab GPT's rule of ``kernels.contract.activation_rules`` where it holds, with the source of each number)
 (any other category counts as ``other``). On GPU, ``other`` also takes what

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (``checkpoint_async=True``): staged to CPU memory beside the next step, written in the background.
+"""Asynchronous checkpoint saves (``checkpoint_async=True``): copied to CPU memory beside the next step, written later.
 
 Algorithm: ``dcp.async_save`` copies the state to CPU memory (into the buffers of the
 run's first save: ``kernels.checkpoint.staging_buffers``) and writes it from a background
@@ -38,11 +38,11 @@ class _CachedPlans(DefaultSavePlanner):
 
 
 class AsyncSaver:
-    """``checkpoint_async=True``: each save is staged to CPU memory beside the next step and written in the background.
+    """``checkpoint_async=True``: each save is copied to CPU memory beside the next step and written in the background.
 
     ``staged()`` must run before the training next changes the parameters or the optimizer
-    state (``RunCheckpoints.before_update``). One save is in flight at a time (the next waits for it, so it may copy into the same
-    staging buffers); ``wait()`` finishes the last.
+    state (``RunCheckpoints.before_update``). One save is in flight at a time (the next waits
+    for it, so it may copy into the same staging buffers); ``wait()`` finishes the last.
     The background writes use their own gloo group, so they never interleave with the
     training's collectives on the default group.
     """

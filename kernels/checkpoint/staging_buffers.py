@@ -16,8 +16,9 @@ while the training thread is still inside the save call) begins the copy, and th
 goes on with its next forward and backward while the copy runs. The training must not change
 the parameters or the optimizer state before the future is done: ``AsyncSaver.staged`` waits
 for it right before the next optimizer step. ``dcp.async_save`` takes a stager's future from
-torch 2.9 on (``AsyncSaveResponse``); before, the copy runs on the caller's thread. The buffers are reused, so a save may only be
-staged once the previous one is written; ``AsyncSaver`` keeps one save in flight for that reason.
+torch 2.9 on (``AsyncSaveResponse``); before, the copy runs on the caller's thread. The buffers
+are reused, so a save may only be staged once the previous one is written; ``AsyncSaver`` keeps
+one save in flight for that reason.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ _frozen = False
 
 
 def freeze_long_lived() -> None:
-    """Collect, then freeze what survived, unless frozen already since the last ``thaw`` (every build calls it first)."""
+    """Collect, then freeze what survived, unless frozen since the last ``thaw`` (every build calls it first)."""
     global _frozen
     if not _frozen:
         gc.collect()

@@ -191,13 +191,10 @@ def interface_of(addr: str) -> str:
 
 
 def bound_device(backend: str, device: str) -> torch.device | None:
-    """The ``device_id`` a rank's world is bound to: its GPU under NCCL, else none.
+    """The ``device_id`` a rank's world is bound to: its GPU under NCCL (which then connects eagerly), else none.
 
-    Binding lets NCCL connect eagerly and split subgroups from the world. A gloo world
-    on a shared GPU stays unbound: DeviceMesh then splits its groups from the gloo world,
-    which deep-copies gloo's options, and torch 2.11 cannot copy them ("cannot pickle
-    '_Options' object", seen on an H200).
-    """
+    DeviceMesh splits its groups from a bound world, deep-copying the backend's options, which
+    torch 2.11 cannot do for gloo ("cannot pickle '_Options'"): gloo ranks on a shared GPU stay unbound."""
     return torch.device(device) if backend == "nccl" and device.startswith("cuda") else None
 
 

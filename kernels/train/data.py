@@ -38,7 +38,7 @@ from kernels.train.task_data import ModularAddition
 from kernels.train.token_data import StepBatches, TokenWindows, stream
 
 _BRANCH_WEIGHTS = (8.0, 4.0, 2.0, 1.0)  # successor probabilities ∝ these: entropy ≈ 1.14 nats
-# Up to here the successors come from sorting a V×V random matrix, as they always have (the data of
+# Up to this vocabulary the successors come from sorting a V×V random matrix, as they always have (the data of
 # every small model stays the same); above, that sort takes minutes and V²·12 bytes (13 GB at 32768).
 SORTED_SUCCESSORS_MAX_VOCAB = 2048
 

@@ -64,9 +64,9 @@ def _train(build: RankBuild, watch: RankWatch | None = None) -> dict[str, Any]:
     probe, tracer = build.probes()
     if watch is not None:
         build.attach(watch)
-    update = build.update_rules()  # the spike guard, clipping and lr schedule, from the step the run starts at
+    # The spike guard, clipping and lr schedule, from the step the run starts at; an async save's copy ends first.
+    update = build.update_rules(ckpt.before_update)
     update.seek(first)
-    update.before_update = ckpt.before_update
     hooks = StepHooks(run.steps - first, probe, tracer, build.ring_log)
     losses, times, norms = _loop(build, hooks, ckpt, update, watch)
     out = {"losses": losses, "grad_norms": norms, "step_times": times, **ckpt.record(),

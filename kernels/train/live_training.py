@@ -60,9 +60,7 @@ class LiveTraining:
         self.checkpoints = RunCheckpoints(run, self.build.params_module, self.build.optimizer, self.build.strategy,
                                           ranks=list(range(size)), group=self.group)
         # The spike guard, clipping and lr schedule, held between calls (kernels.train.update_rules).
-        self.update = None if self.idle else self.build.update_rules()
-        if self.update is not None:
-            self.update.before_update = self.checkpoints.before_update
+        self.update = None if self.idle else self.build.update_rules(self.checkpoints.before_update)
 
     def advance(self, steps: int, *, return_params: bool = False) -> dict[str, Any]:
         """Train the next ``steps`` steps; returns ``train_rank``'s records for them, plus ``first_step``.

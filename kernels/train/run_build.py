@@ -246,14 +246,15 @@ class RankBuild:
         """The pipeline tracer's record of this rank's place in the mesh."""
         return tracer.record(pp_rank(self.mesh), dp_rank(self.mesh), self.dims.dp, self.dims.pp)
 
-    def update_rules(self) -> UpdateRules:
+    def update_rules(self, before_update: Callable[[], None]) -> UpdateRules:
         """The run's spike guard, clipping by the global norm and lr schedule around this rank's optimizer step
-        (``kernels.train.update_rules``); the caller places it at the run's step (``seek``) before training."""
+        (``kernels.train.update_rules``), calling ``before_update()`` first; the caller places it at the run's
+        step (``seek``) before training."""
         def clip(max_norm: float) -> torch.Tensor:
             norm = self.step_fn.grad_norm()  # the whole gradient's, over every shard, stage and mesh
             clip_to_norm(self.params_module, norm, max_norm)
             return norm
-        return UpdateRules(self.optimizer, self.run, clip, self.poison)
+        return UpdateRules(self.optimizer, self.run, clip, self.poison, before_update)
 
     def watch(self) -> RankWatch | None:
         """The run's ``RankWatch`` (collectives published, faults struck) when it asks to be watched or carries

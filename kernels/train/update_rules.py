@@ -53,18 +53,19 @@ def clip_to_norm(module: nn.Module, norm: torch.Tensor, max_norm: float) -> None
 class UpdateRules:
     """The run's guard, clipping and schedule around ``optimizer`` (module docstring).
 
-    ``clip(max_norm)`` clips the gradients and returns the whole gradient's norm before clipping.
+    ``clip(max_norm)`` clips the gradients and returns the whole gradient's norm before clipping;
+    ``before_update()`` runs right before the parameters change (an asynchronous save's copy must be
+    done then: ``RunCheckpoints.before_update``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, run: RunConfig, clip: Callable[[float], torch.Tensor],
-                 poison: PoisonedLoss | None = None) -> None:
+                 poison: PoisonedLoss | None = None, before_update: Callable[[], None] = lambda: None) -> None:
         self.optimizer, self.max_norm, self.clip, self.poison = optimizer, run.grad_clip, clip, poison
+        self.before_update = before_update
         self.schedule = ScheduledLR(optimizer, run.lr_schedule, run.lr) if run.lr_schedule is not None else None
         self.guard = LossGuard(run.spike_guard) if run.spike_guard is not None else None
         self.step = 0  # the run's step the next update is
         self.lrs: list[float] = []  # the lr of each step applied since the last take
-        # Runs right before the parameters change: an asynchronous save's copy must be done (RunCheckpoints).
-        self.before_update: Callable[[], None] = lambda: None
 
     @property
     def needs_loss(self) -> bool:

@@ -20,8 +20,9 @@ the model, the optimizer and the data position there between cells:
   last complete save with ``Training.load``; ``checkpoint_async=True`` writes them in the
   background (``dcp.async_save``, as an Experiment's), and ``step()`` returns once the last
   one is complete;
-- ``grad_clip``, ``lr_schedule``, ``shuffle``, ``spike_guard`` (``lab.run.training_hygiene``) and ``watch`` as an Experiment's:
-  the schedule goes on at the global step, and the guard's window lives on the ranks between calls;
+- ``grad_clip``, ``lr_schedule``, ``shuffle``, ``spike_guard`` (``lab.run.training_hygiene``) and ``watch``
+  as an Experiment's: the schedule goes on at the global step, and the guard's window lives on the
+  ranks between calls;
 - ``save(path)`` writes a checkpoint (``kernels.checkpoint.save_load``: any layout loads it, an
   ``Experiment(resume_from=...)`` too); ``Training.load(cluster, path, parallel=...)``
   builds a Training from one, under the saved layout or another;
