@@ -15,6 +15,10 @@ ranks can load them), the optimizer's settings ``optim_settings.<lr|betas|...>``
 when every parameter shares them; else ``optim.param_groups.<name>.<lr|...>``),
 ``rng.<rank>``.
 
+A relayout's passage (``save_checkpoint(passage=True)``, removed once read) holds each
+writing rank's shards as a safetensors file instead, written and read by torch's Hugging Face
+storage for DCP; ``storage_reader`` tells the two apart.
+
 Run alone (lists the complete checkpoints under a directory)::
 
     python -m kernels.checkpoint.files /tmp/ckpts
@@ -91,12 +95,20 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(path) / META_NAME).read_text())
 
 
+def storage_reader(path: str | os.PathLike) -> Any:
+    """torch's DCP storage reader for the step directory ``path``: DCP's own files, or a passage's safetensors."""
+    import torch.distributed.checkpoint as dcp  # torch only where tensors are read
+
+    if any(Path(path).glob("*.safetensors")):
+        return dcp.HuggingFaceStorageReader(str(path))
+    return dcp.FileSystemReader(str(path))
+
+
 def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:
     """Every flattened key DCP stored, with its global shape (None for a non-tensor value)."""
-    from torch.distributed.checkpoint import FileSystemReader  # torch only where tensors are read
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = storage_reader(path).read_metadata()
     return {key: tuple(m.size) if isinstance(m, TensorStorageMetadata) else None
             for key, m in metadata.state_dict_metadata.items()}
 

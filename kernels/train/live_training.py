@@ -102,13 +102,14 @@ class LiveTraining:
             out["trace"] = build.trace_record(tracer)
         return out
 
-    def save(self, path: str, meta: dict[str, Any], *, optimizer_settings: bool = True) -> None:
-        """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``), where the run stands."""
+    def save(self, path: str, meta: dict[str, Any], *, passage: bool = False) -> None:
+        """Write the model and optimizer to the step directory ``path`` (``kernels.checkpoint.save_load``; ``passage``:
+        a relayout's), where the run stands."""
         if not self.idle:
             where = checkpoint_meta(self.run, self.build.strategy, self.next_step, self.build.dims.world_size,
                                     self.losses[-1] if self.losses else None, self.losses)
             save_checkpoint(path, self.build.params_module, self.build.optimizer, {**meta, **where},
-                            process_group=self.group, optimizer_settings=optimizer_settings)
+                            process_group=self.group, passage=passage)
 
     def load(self, path: str, *, optimizer_settings: bool = True) -> dict[str, Any]:
         """Read the model and optimizer from ``path`` into this layout, and stand where it was saved; returns its meta."""
@@ -179,13 +180,14 @@ def load_training(key: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
 def relayout_training(key: str, cfg: dict[str, Any], through: str) -> int:
     """Move the training held under ``key`` to the layout ``cfg`` names, weights and optimizer state included.
 
-    The old layout writes its state to the step directory ``through`` with DCP, the new
-    one is built and reads it back, each rank its own pieces (DCP plans the reads from the
-    saved shards' offsets, so any layout or world size of the same model can load them).
+    The old layout writes its state to the step directory ``through`` with DCP (a passage:
+    safetensors shards, ``save_checkpoint(passage=True)``), the new one is built and reads it
+    back, each rank its own pieces (DCP plans the reads from the saved shards' offsets, so
+    any layout or world size of the same model can load them).
     The old layout's groups are destroyed before the new mesh is made. Returns the step.
     """
     live = held(key)
-    live.save(through, {}, optimizer_settings=False)  # the same run config makes the new optimizer's
+    live.save(through, {}, passage=True)  # no optimizer settings: the same run config makes the new optimizer's
     step, losses = live.next_step, live.losses
     open_training(key, cfg, next_step=step, losses=losses)
     held(key).load(through, optimizer_settings=False)  # the same run config made both optimizers
