@@ -35,12 +35,15 @@ def test_steps_continue_bit_for_bit(cluster, tmp_path, parallel):
 
 
 def test_async_checkpoints_are_complete_when_step_returns(cluster, tmp_path):
-    """checkpoint_async: step() returns with every due save named; one loaded goes on to the bit (ZeRO-3 TP2xDP2)."""
+    """checkpoint_async: step() returns with every due save named; one loaded goes on to the bit (ZeRO-3 TP2xDP2).
+
+    The one loaded is the second save, whose payload reused the first one's tensors (the live ones).
+    """
     model, parallel = lab.GPT(**TINY), lab.Parallel(dp=2, tp=2, zero=3)
-    with lab.Training(cluster, model, parallel, checkpoint_dir=tmp_path, checkpoint_every=2,
+    with lab.Training(cluster, model, parallel, checkpoint_dir=tmp_path, checkpoint_every=1,
                       checkpoint_async=True) as training:
         training.step(3)
-        assert [c.step for c in lab.checkpoints(tmp_path)] == [2, 3]
+        assert [c.step for c in lab.checkpoints(tmp_path)] == [1, 2, 3]
     with lab.Training.load(cluster, tmp_path / "step_000002") as loaded:
         assert loaded.step(1).losses == training.losses[2:]
 

@@ -4,8 +4,9 @@ Algorithm: ``dcp.async_save`` copies the state to CPU memory (into the buffers o
 run's first save: ``kernels.checkpoint.staging_buffers``) and writes it from a background
 thread over a separate gloo group; rank 0 renames the checkpoint when its write (which
 ends after everyone's) is done. DCP's plan cache is on: the saves of one run after the
-first skip gathering and checking the plans again. What is written, and how a save is
-named once whole, are ``kernels.checkpoint.save_load``'s.
+first skip gathering and checking the plans again, and hand DCP the first save's tensors
+(the live ones, ``kernels.checkpoint.live_payload``) rather than a new state dict. What is
+written, and how a save is named once whole, are ``kernels.checkpoint.save_load``'s.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from kernels.checkpoint.files import PARTIAL_SUFFIX
-from kernels.checkpoint.save_load import checkpoint_payload, finalize_save
+from kernels.checkpoint.live_payload import LivePayload
+from kernels.checkpoint.save_load import finalize_save
 from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
 
 
@@ -54,6 +56,7 @@ class AsyncSaver:
         # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
         self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
         self.stager = ReusedStagingBuffers()
+        self.payload = LivePayload()
         self.pending: Future | None = None
         self.staging: Future | None = None  # the copy to CPU memory under way, before the write
 
@@ -64,7 +67,7 @@ class AsyncSaver:
         final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         try:
-            future = dcp.async_save(checkpoint_payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
+            future = dcp.async_save(self.payload(model, optimizer, dist.get_rank()), checkpoint_id=str(partial),
                                     process_group=self.group, planner=self.planner, async_stager=self.stager)
         finally:  # the writer waits for the copy: start it whatever happened
             self.stager.start()

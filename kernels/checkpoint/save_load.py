@@ -64,7 +64,7 @@ PASSAGE_IN_SAFETENSORS = "save_distributed" in inspect.signature(dcp.HuggingFace
 SHARED_SETTINGS = "optim_settings"  # the settings every parameter shares, saved once: optim_settings.<field>
 
 
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """ZeRO-1's per-rank AdamW (the state of this rank's partition), else the optimizer itself."""
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
@@ -90,7 +90,7 @@ def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is None:
         model_sd, optim_sd = get_state_dict(model, [], options=_OPTIONS)
     else:
-        model_sd, optim_sd = get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer), options=_OPTIONS)
     back = {_strip(k, stages): k for k in [*model_sd, *optim_sd]}
     return ({_strip(k, stages): v for k, v in model_sd.items()}, {_strip(k, stages): v for k, v in optim_sd.items()},
             back)
@@ -205,7 +205,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, process_group: dist.
     if optimizer_settings:  # the per-parameter ones were read into payload["optim"]
         kept = {k: payload[SHARED_SETTINGS][_field(k)] for k in read_shared}
     loaded = placed_like(payload["model"], model_sd), placed_like(payload["optim"], optim_sd)
-    set_state_dict(unwrap(model), [] if optimizer is None else _local_optimizer(optimizer),
+    set_state_dict(unwrap(model), [] if optimizer is None else local_optimizer(optimizer),
                    model_state_dict={back[k]: v for k, v in loaded[0].items()},
                    optim_state_dict={back[k]: v for k, v in {**kept, **loaded[1]}.items()},
                    options=_OPTIONS)
