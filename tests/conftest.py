@@ -133,6 +133,16 @@ def shared_pool_left_healthy(request):
 
 
 @pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo world of one rank in this process (DCP and DTensor code run as on a rank), destroyed after."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def one_thread():
     """Two cores are shared with the ranks and other jobs: one-process work runs on one thread, like each rank."""
     old = torch.get_num_threads()

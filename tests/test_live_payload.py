@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from kernels.checkpoint.live_payload import LivePayload
 from kernels.checkpoint.save_load import SHARED_SETTINGS, checkpoint_payload
 from kernels.model.gpt import GPTConfig, build_gpt
 
 CONFIG = GPTConfig(layers=1, d_model=16, heads=2, d_ff=32, vocab=32, seq_len=8)
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
