@@ -154,24 +154,3 @@ def test_qwen3s_head_norms_replicated_with_their_gradient_summed_match_one_proce
     assert "replicated_with_grad_allreduce" in own_config(config).spec["tp_plan"].values()
     _parity(cluster, config, dict(dp=2, tp=2))
     _parity(cluster, config, dict(dp=2, tp=2, sequence_parallel=True))
-
-
-def _moment_placements(key: str) -> list[tuple[str, str, str]]:
-    """(name, the parameter's placements, its AdamW first moment's) for each DTensor parameter on this rank."""
-    from kernels.train.live_training import held
-
-    build = held(key).build
-    return [(name, str(p.placements), str(build.optimizer.state[p]["exp_avg"].placements))
-            for name, p in build.params_module.named_parameters() if hasattr(p, "placements")]
-
-
-@pytest.mark.slow
-def test_gpt2s_optimizer_state_keeps_its_strided_shards_through_a_relayout(cluster):
-    """GPT-2's fused q/k/v passes through a checkpoint replicated (its shard by heads is not one box); the load puts
-    the AdamW moments back on the parameters' placements, so ZeRO-3 keeps them sharded after the relayout."""
-    with lab.Training(cluster, gpt2(n_layer=2), lab.Parallel(dp=2, tp=2, zero=3), global_batch=GLOBAL_BATCH) as training:
-        training.step(1)
-        training.relayout(lab.Parallel(dp=2, tp=2, zero=3))
-        for rank in cluster.run(_moment_placements, training.key):
-            assert any("_StridedShard" in param for _, param, _ in rank)
-            assert [(name, param) for name, param, moment in rank if moment != param] == []

@@ -110,3 +110,30 @@ def test_relayout_keeps_the_weights(cluster):
     for name, value in params.items():  # attn.k.bias is rounding noise scaled by AdamW (test_layout_parity)
         worst = (torch.tensor(value) - torch.tensor(whole.params[0][name])).abs().max().item()
         assert worst <= (1e-4 if name.endswith("attn.k.bias") else 1e-5), f"{name}: max |diff| {worst:.1e}"
+
+
+def _moment_placements(key: str) -> list[tuple[str, str, str]]:
+    """(name, the parameter's placements, its AdamW first moment's) for each DTensor parameter on this rank."""
+    build = live_training.held(key).build
+    return [(name, str(p.placements), str(build.optimizer.state[p]["exp_avg"].placements))
+            for name, p in build.params_module.named_parameters() if hasattr(p, "placements")]
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+
+
+@pytest.mark.parametrize("make", [lambda: lab.GPT(**TINY), pytest.param(_gpt2, marks=pytest.mark.slow)],
+                         ids=["gpt", "gpt2-fused-qkv"])
+def test_the_optimizer_state_keeps_the_parameters_shards_through_a_relayout(cluster, make):
+    """Under TP×FSDP the column-parallel weights are ``_StridedShard`` over dp (one box per rank: saved as they are)
+    and GPT-2's fused q/k/v is strided by heads too (not one box: it passes through replicated). After a relayout
+    every AdamW moment is sharded as its parameter is: none was left whole on every rank (ZeRO's saving lost, and a
+    redistribution each step, which made every step after a load of the lab's GPT about twice as slow)."""
+    with lab.Training(cluster, make(), lab.Parallel(dp=2, tp=2, zero=3), global_batch=8) as training:
+        training.step(1)
+        training.relayout(lab.Parallel(dp=2, tp=2, zero=3))
+        for rank in cluster.run(_moment_placements, training.key):
+            assert any("_StridedShard" in param for _, param, _ in rank)
+            assert [(name, param) for name, param, moment in rank if moment != param] == []
