@@ -59,8 +59,9 @@ from kernels.parallel.ddp import unwrap
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SETTINGS_HEAD = "param_groups."
-# Before torch 2.8's save_distributed, a passage is written in DCP's own format.
-PASSAGE_IN_SAFETENSORS = "save_distributed" in inspect.signature(dcp.HuggingFaceStorageWriter).parameters
+# A torch without the Hugging Face storage's distributed saves writes a passage in DCP's own format.
+_HF_WRITER = getattr(dcp, "HuggingFaceStorageWriter", None)
+PASSAGE_IN_SAFETENSORS = _HF_WRITER is not None and "save_distributed" in inspect.signature(_HF_WRITER).parameters
 SHARED_SETTINGS = "optim_settings"  # the settings every parameter shares, saved once: optim_settings.<field>
 
 
@@ -158,7 +159,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, meta: dict[str, Any]
     final = Path(path)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     rank, began = dist.get_rank(process_group), time.perf_counter()
-    writer = dcp.HuggingFaceStorageWriter(str(partial), save_distributed=True) if passage and PASSAGE_IN_SAFETENSORS \
+    writer = _HF_WRITER(str(partial), save_distributed=True) if passage and PASSAGE_IN_SAFETENSORS \
         else dcp.FileSystemWriter(str(partial))
     dcp.save(checkpoint_payload(model, optimizer, dist.get_rank(), optimizer_settings=not passage),
              storage_writer=writer, process_group=process_group)
