@@ -22,6 +22,7 @@ import warnings
 
 import lab
 from kernels.train.entry import train_rank
+from vs_torchrun import settled
 
 LAYOUTS = {"DP4": lab.Parallel(dp=4), "ZeRO-3 DP4": lab.Parallel(dp=4, zero=3),
            "PP2×TP2": lab.Parallel(pp=2, tp=2, microbatches=2)}
@@ -54,6 +55,7 @@ def main() -> None:
     print(f"save every {args.every} of {args.steps} steps, GPT d_model={args.d_model}: the slowest rank's wait "
           "in the save call, median over the saves after the first (the first apart)")
     with lab.start(n=4, backend="gloo", threads_per_rank=1, activate=False) as cluster:
+        settled(cluster)
         for name, parallel in LAYOUTS.items():
             sync_first, sync_s = blocked(cluster, model, parallel, args.steps, args.every, False)
             async_first, async_s = blocked(cluster, model, parallel, args.steps, args.every, True)

@@ -32,6 +32,7 @@ import warnings
 from pathlib import Path
 
 import lab
+from vs_torchrun import settled
 
 MODEL = lab.GPT(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
 OLD, NEW = lab.Parallel(dp=4), lab.Parallel(dp=2, tp=2, zero=3)
@@ -90,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     with lab.start(n=4) as cluster:
-        print(report(relayout_vs_torchrun(cluster, args.repeats)))
+        print(report(relayout_vs_torchrun(settled(cluster), args.repeats)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import lab
 from async_checkpoint import slowest_saves
 from kernels.train.entry import train_rank
-from vs_torchrun import GLOBAL_BATCH, MODEL, steady_step
+from vs_torchrun import GLOBAL_BATCH, MODEL, settled, steady_step
 
 LAYOUT = lab.Parallel(pp=2, dp=2, microbatches=4)
 OFF = {"watch_collectives": False, "progress": False, "trace": False, "measure": False, "return_params": False}
@@ -62,6 +62,7 @@ def measure_all(steps: int, rounds: int, every: int) -> list[tuple[str, float, f
     rows = []
     with lab.start(n=4, backend="gloo", threads_per_rank=1, activate=False) as cluster, \
             tempfile.TemporaryDirectory() as root:
+        settled(cluster)
         base = {**lab.Experiment(cluster, MODEL, LAYOUT, global_batch=GLOBAL_BATCH, steps=steps).config(), **OFF}
         cluster.run(train_rank, base)  # warm: the mesh, the first-call caches
         for name, switch, figure in (("progress records", {"progress": True}, steady),
@@ -75,7 +76,7 @@ def measure_all(steps: int, rounds: int, every: int) -> list[tuple[str, float, f
         os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # the second pool's engines start without the recorder
         try:
             with lab.start(n=4, backend="gloo", threads_per_rank=1, activate=False) as unrecorded:
-                unrecorded.run(train_rank, base)
+                settled(unrecorded).run(train_rank, base)
                 rows.append(("flight recorder", *compare(cluster, base, dict, steady, rounds, off_cluster=unrecorded)))
         finally:
             del os.environ["TORCH_FR_BUFFER_SIZE"]

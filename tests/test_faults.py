@@ -15,7 +15,8 @@ import time
 import pytest
 
 import lab
-from kernels.watch.collective_log import _HEADER, MAX_OPEN, CollectiveLog, log_path, read_state
+from kernels.watch.collective_log import MAX_OPEN, CollectiveLog
+from kernels.watch.state_file import HEADER, log_path, read_state
 from lab.run.faults import fault_problems
 import lab.pool.hang_report
 from kernels.contract.watch_records import FlightGroup, RankActivity
@@ -58,8 +59,8 @@ def test_the_published_snapshot_is_exactly_the_records_dict(tmp_path):
     for i in range(MAX_OPEN + 2):
         log.enter("all_gather", "tp", (2, 3), 64 * i)
     raw = path.read_bytes()
-    length = _HEADER.unpack_from(raw, 0)[1]
-    body = json.loads(raw[_HEADER.size:_HEADER.size + length])
+    length = HEADER.unpack_from(raw, 0)[1]
+    body = json.loads(raw[HEADER.size:HEADER.size + length])
     assert body == RankActivity.from_dict(body).to_dict()
     assert len(body["open"]) == MAX_OPEN and body["more_open"] == 2 and body["faults"] == ["slow by 0.1 s"]
     log.close()
@@ -74,6 +75,27 @@ def test_a_collective_open_across_a_step_boundary_counts_in_both_steps_and_no_mo
     waits = log.finish()
     assert all(0 <= w.wait_s <= w.step_s and w.compute_s >= 0 for w in waits), waits
     log.close()
+
+
+def test_a_training_ranks_log_writes_from_its_thread_a_fault_at_once_and_the_rest_by_close(tmp_path):
+    # A change costs the step no write: 2,000 changes make a few writes from the publisher's thread.
+    path = str(tmp_path / "log.bin")
+    log = CollectiveLog(rank=0, path=path, publish_every_s=0.05)
+    first = read_state(path).counter  # the first snapshot is written at once
+    log.begin_step(0)
+    for _ in range(1000):
+        log.leave(log.enter("all_reduce", "dp", (0, 1), 8))
+    log.act("optimizer, step 0")
+    deadline = time.monotonic() + 30
+    while read_state(path).action != "optimizer, step 0" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert read_state(path).action == "optimizer, step 0"  # published without any call from the rank
+    assert (read_state(path).counter - first) // 2 < 50
+    log.note_fault("Hang(rank=0) struck at step 0")  # a fault may end the process next: written before returning
+    assert read_state(path).faults == ("Hang(rank=0) struck at step 0",)
+    log.act("forward, step 1, micro-batch 0")
+    log.close()  # what was pending is written
+    assert read_state(path).action == "forward, step 1, micro-batch 0"
 
 
 def test_log_path_is_per_process_in_the_given_directory(tmp_path):

@@ -31,6 +31,7 @@ from kernels.contract.faults import Fault
 from kernels.watch import faults as fault_kinds
 from kernels.watch import flight_recorder
 from kernels.watch.collective_log import CollectiveLog
+from kernels.watch.state_file import PUBLISH_EVERY_S
 
 PUSH_GROUP = "workers"
 
@@ -38,7 +39,7 @@ PUSH_GROUP = "workers"
 @contextlib.contextmanager
 def ps_watch(rank: int, faults: list[Fault]) -> Iterator[CollectiveLog]:
     """This rank's collective log (and its beacon on an engine) for one PS run; ``faults`` are this rank's."""
-    log = CollectiveLog(rank)
+    log = CollectiveLog(rank, publish_every_s=PUBLISH_EVERY_S)
     fault_kinds.note_slow(faults, log.note_fault)
     beacon = flight_recorder.engine_beacon(log.path, {})
     if beacon is not None:

@@ -1,16 +1,17 @@
 """Where a rank is, readable while it is blocked: the last collective it entered or left, kept in a file.
 
 A rank blocked inside a gloo collective cannot answer an ipyparallel call, and Python
-signal handlers do not run while it waits in C++. So the rank publishes its state at
-every collective entry and exit, and at every traced action (forward, backward,
-optimizer), into a small memory-mapped file of its own in the pool's profile directory
-(:func:`log_path`); the driver reads it whenever it likes, even from a rank that will
-never return. NCCL has its own flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``); this
+signal handlers do not run while it waits in C++. So the rank's state changes at every
+collective entry and exit, and at every traced action (forward, backward, optimizer),
+and is published into a small memory-mapped file of its own in the pool's profile
+directory (``kernels.watch.state_file``); the driver reads it whenever it likes, even
+from a rank that will never return. A training rank's log publishes from a thread, at
+most every 20 ms (``publish_every_s``), so a change costs the step no file write; a
+fault and the run's end are written at once. NCCL has its own flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``); this
 is the lab's equivalent for gloo, and for any backend what the ranks traced.
 
-The file holds one JSON snapshot (``RankActivity``) behind a sequence lock: the writer
-makes the counter odd, writes, makes it even; a reader retries while the counter is odd
-or changed under it. ``CollectiveLog`` also sums, per step, the time the rank spent
+The file holds one JSON snapshot (``RankActivity``) behind a sequence lock.
+``CollectiveLog`` also sums, per step, the time the rank spent
 inside collectives (the union of their intervals, so overlapping ones count once) and
 inside those it entered during backward (the gradient all-reduce or reduce-scatter),
 and returns them as ``StepWait`` records: what a dashboard sets against compute. The same
@@ -23,103 +24,22 @@ Torch-free (the driver and the views import it). Run alone (writes, then reads b
 """
 from __future__ import annotations
 
-import atexit
 import collections
-import contextlib
-import json
-import mmap
 import os
-import struct
-import tempfile
 import threading
 import time
 from typing import Any
 
-from kernels.contract.watch_records import OpenCollective, RankActivity, StepWait
+from kernels.contract.watch_records import OpenCollective, StepWait
 from kernels.watch.overlap import StepSpans
+from kernels.watch.state_file import StateFile, StatePublisher, log_path, read_state
 
-SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
 MAX_OPEN = 8  # oldest open collectives kept in a snapshot (the one a rank is stuck behind is the oldest)
-_HEADER = struct.Struct("<QI")  # sequence counter (odd while writing), JSON length
 BEACON_KEY = "watch"  # the data key under which a rank's beacon sends its state (kernels.watch.flight_recorder)
 
 
-def log_path(pid: int, directory: str | None = None) -> str:
-    """The file process ``pid`` publishes its state to (default directory: this process's profile dir)."""
-    directory = directory or os.environ.get("IPP_PROFILE_DIR") or tempfile.gettempdir()
-    return os.path.join(directory, f"cluster-lab-collectives-{pid}.bin")
-
-
-_TO_REMOVE: set[str] = set()
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
-class StateFile:
-    """A fixed-size memory-mapped file holding one JSON snapshot behind a sequence lock."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, SIZE)
-            self._map = mmap.mmap(fd, SIZE)
-        finally:
-            os.close(fd)
-        self._counter = _HEADER.unpack_from(self._map, 0)[0] & ~1  # keep counting where the file was
-        if path not in _TO_REMOVE:  # it outlives each run (the driver reads "done"), not the process
-            _TO_REMOVE.add(path)
-            atexit.register(_remove, path)
-
-    def write(self, state: dict[str, Any]) -> int:
-        """Publish ``state``; returns the new (even) counter."""
-        body = json.dumps(state, separators=(",", ":")).encode()
-        if len(body) > SIZE - _HEADER.size:  # never a cut snapshot: readers would get broken JSON
-            raise ValueError(f"a rank state of {len(body)} bytes does not fit {SIZE - _HEADER.size}")
-        self._counter += 1
-        _HEADER.pack_into(self._map, 0, self._counter, 0)  # odd: readers wait
-        self._map[_HEADER.size:_HEADER.size + len(body)] = body
-        self._counter += 1
-        _HEADER.pack_into(self._map, 0, self._counter, len(body))
-        return self._counter
-
-    @property
-    def counter(self) -> int:
-        return self._counter
-
-    def close(self) -> None:
-        self._map.close()
-
-
-def read_state(path: str, tries: int = 50) -> RankActivity | None:
-    """The snapshot in ``path``, or None if there is none (no file, never written, or always mid-write)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(SIZE)
-    except OSError:
-        return None
-    for _ in range(tries):
-        counter, length = _HEADER.unpack_from(data, 0)
-        if counter and not counter & 1:
-            body = data[_HEADER.size:_HEADER.size + length]
-            with open(path, "rb") as f:
-                again = f.read(_HEADER.size)
-            if _HEADER.unpack_from(again, 0)[0] == counter:
-                try:
-                    return RankActivity.from_dict(json.loads(body))
-                except ValueError:  # another writer's format (an older lab): no state to trust
-                    return None
-        time.sleep(0.001)
-        with open(path, "rb") as f:
-            data = f.read(SIZE)
-    return None
-
-
 class CollectiveLog:
-    """This rank's state and per-step waits; every change is published to its ``StateFile``.
+    """This rank's state and per-step waits; its changes are published to its ``StateFile``.
 
     Only the rank's main thread changes the state. An async collective completes on the
     backend's thread, which only appends to ``_done`` (a deque: no lock, no file I/O on a
@@ -127,10 +47,12 @@ class CollectiveLog:
     next call, with the time they completed.
     """
 
-    def __init__(self, rank: int, path: str | None = None) -> None:
+    def __init__(self, rank: int, path: str | None = None, publish_every_s: float | None = None) -> None:
+        """``publish_every_s``: write the state from a thread at most that often (``StatePublisher``); None, at every change."""
         self.rank, self._pid = rank, os.getpid()
         self._done: collections.deque[tuple[int, float]] = collections.deque()
         self._file = StateFile(path or log_path(os.getpid()))
+        self._publisher = StatePublisher(self._file, self._snapshot, publish_every_s)
         self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
         self._open: dict[int, OpenCollective] = {}
         self._launched: dict[int, float] = {}  # token -> perf_counter at entry, for the overlap
@@ -141,7 +63,7 @@ class CollectiveLog:
         self._step_began = self._blocked_from = 0.0
         self._owner = threading.get_ident()  # the rank's main thread: the only one whose waits are its steps'
         self._reset_step(time.perf_counter())
-        self._publish()
+        self._publisher.now()
 
     @property
     def path(self) -> str:
@@ -158,7 +80,7 @@ class CollectiveLog:
         phase = self.action.split(",")[0]
         self._open[token] = OpenCollective(op, group, ranks, self._seq[key], int(nbytes), time.time(), phase)
         self._launched[token] = self._spans_opened(phase == "backward")
-        self._publish()
+        self._publisher.changed()
         return token
 
     def leave(self, token: int) -> None:
@@ -167,7 +89,7 @@ class CollectiveLog:
         self.spans.blocked.append((self._launched.get(token, now), now))  # the main thread waited all along
         self._done.append((token, now))
         self._take_completed()
-        self._publish()
+        self._publisher.changed()
 
     def completed(self, token: int) -> None:
         """On any thread (a future's callback): the async collective ``token`` names completed."""
@@ -200,11 +122,12 @@ class CollectiveLog:
         """The rank is now doing ``action`` (e.g. "forward, step 2, micro-batch 0")."""
         self._take_completed()
         self.action = action
-        self._publish()
+        self._publisher.changed()
 
     def note_fault(self, text: str) -> None:
+        """Publish ``text`` at once: a fault may kill this process next."""
         self.faults.append(text)
-        self._publish()
+        self._publisher.now()
 
     def begin_step(self, step: int) -> None:
         """Step ``step`` starts: the previous one's waits are closed into a ``StepWait``."""
@@ -213,7 +136,7 @@ class CollectiveLog:
         self._close_step(now)
         self.step, self.action = step, f"step {step} begins"
         self._reset_step(now)
-        self._publish()
+        self._publisher.changed()
 
     def step_wait_so_far(self) -> float:
         """Seconds the current step has spent inside collectives until now."""
@@ -225,7 +148,7 @@ class CollectiveLog:
         self._take_completed()
         self._close_step(time.perf_counter())
         self.step, self.action = -1, "done"
-        self._publish()
+        self._publisher.now()  # the driver reads "done" as soon as the call returns
         return list(self._waits)
 
     def _take_completed(self) -> None:
@@ -237,6 +160,7 @@ class CollectiveLog:
                 self.spans.comm.append((self._launched.pop(token), at))
 
     def close(self) -> None:
+        self._publisher.stop()
         self._file.close()
 
     # -------------------------------------------------------------- accounting
@@ -271,14 +195,15 @@ class CollectiveLog:
         self._waits.append(StepWait(self.rank, self.step, step_s, wait, grad, max(0.0, step_s - wait), self._entered,
                                     busy, overlap))
 
-    def _publish(self) -> None:
-        # RankActivity.to_dict()'s dict, built directly: this runs twice per collective, and the record's
-        # generic conversion (asdict and a JSON round trip) cost ~0.1 ms of every collective's latency.
-        opened = sorted(self._open.values(), key=lambda c: c.entered)
-        self._file.write({
-            "rank": self.rank, "pid": self._pid, "counter": self._file.counter + 2, "step": self.step,
+    def _snapshot(self, counter: int) -> dict[str, Any]:
+        # RankActivity.to_dict()'s dict, built directly: the record's generic conversion (asdict and a
+        # JSON round trip) cost ~0.1 ms a write. May run on the publisher's thread: the dict is copied
+        # first, in one step the main thread cannot interleave with.
+        opened = sorted(list(self._open.values()), key=lambda c: c.entered)
+        return {
+            "rank": self.rank, "pid": self._pid, "counter": counter, "step": self.step,
             "action": self.action, "open": [_open_dict(c) for c in opened[:MAX_OPEN]], "updated": time.time(),
-            "faults": self.faults[-8:], "more_open": max(0, len(opened) - MAX_OPEN)})
+            "faults": self.faults[-8:], "more_open": max(0, len(opened) - MAX_OPEN)}
 
 
 def _open_dict(c: OpenCollective) -> dict[str, Any]:

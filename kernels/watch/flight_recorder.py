@@ -29,7 +29,8 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from kernels.watch.collective_log import BEACON_KEY, read_state
+from kernels.watch.collective_log import BEACON_KEY
+from kernels.watch.state_file import read_state
 from kernels.watch.progress import engine_publisher
 from kernels.contract.watch_records import FlightGroup
 

@@ -27,8 +27,8 @@ training run:
   the run goes.
 
 ``finish()`` returns the per-step ``StepWait`` records (time inside collectives, in the
-gradient sync, and the rest). Costs about 2 state writes per collective and per action
-(docs/design.md#watching-ranks has the measured figure).
+gradient sync, and the rest). The state file is written from the log's publisher thread,
+at most every 20 ms, not at each change (docs/design.md#watching-ranks has the measured figures).
 
 It is used by ``kernels.train.entry.train_rank`` (with ``watch_collectives`` or faults), which
 sits above this module; tests/test_faults.py runs it on real ranks (stragglers, hangs, crashes).
@@ -54,6 +54,7 @@ from kernels.watch.collective_log import CollectiveLog
 from kernels.contract.watch_records import StepWait
 from kernels.watch.comm import route_ddp_through_python
 from kernels.watch.dist_names import DIST_OPS, patched_dist_names
+from kernels.watch.state_file import PUBLISH_EVERY_S
 from kernels.watch.wait_clock import install_listener, remove_listener
 
 # isend/irecv stay unwrapped: P2POp accepts only those very functions (checked by identity), and
@@ -67,7 +68,7 @@ class RankWatch:
     def __init__(self, meshes: list[Any], faults: tuple[Fault, ...] = (),
                  synthetic_forward_s: float | None = None) -> None:
         self.rank = dist.get_rank()
-        self.log = CollectiveLog(self.rank)
+        self.log = CollectiveLog(self.rank, publish_every_s=PUBLISH_EVERY_S)
         self.faults = fault_kinds.faults_for(faults, self.rank)
         self.pacing = fault_kinds.pacing_for(self.faults, synthetic_forward_s)
         fault_kinds.note_slow(self.faults, self.log.note_fault)

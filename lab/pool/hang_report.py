@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.watch.collective_log import BEACON_KEY, log_path, read_state
+from kernels.watch.collective_log import BEACON_KEY
+from kernels.watch.state_file import log_path, read_state
 from kernels.contract.watch_records import RankActivity
 from kernels.contract.watch_records import FlightGroup
 from lab.errors import rank_list
