@@ -82,10 +82,6 @@ class StateFile:
             HEADER.pack_into(self._map, 0, self._counter, len(body))
             return self._counter
 
-    @property
-    def counter(self) -> int:
-        return self._counter
-
     def close(self) -> None:
         self._map.close()
 
@@ -121,8 +117,7 @@ class StatePublisher:
     thread, for what must not wait (a fault about to kill the process, the end of a run).
     """
 
-    def __init__(self, file: StateFile, snapshot: Callable[[int], dict[str, Any]],
-                 every_s: float | None = PUBLISH_EVERY_S) -> None:
+    def __init__(self, file: StateFile, snapshot: Callable[[int], dict[str, Any]], every_s: float | None) -> None:
         """``every_s=None``: no thread, every change is written at once (a log read back right away, as in tests)."""
         self._file, self._snapshot, self._every = file, snapshot, every_s
         self._dirty = False
