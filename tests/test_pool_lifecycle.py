@@ -5,9 +5,11 @@ import os
 import stat
 from pathlib import Path
 
+import psutil
 import pytest
 
 import lab
+from lab.pool import launch
 
 
 def rank_sum(offset: float) -> float:
@@ -124,3 +126,12 @@ def test_engines_start_with_their_openmp_pool_capped_like_torchrun(cluster):
         return os.environ.get("OMP_NUM_THREADS")
 
     assert cluster.run(omp_threads) == [str(cluster.threads)] * 4
+
+
+def test_the_hub_beats_every_half_second_and_still_drops_an_engine_only_after_30_s(cluster):
+    # Registration waits for the hub's next heartbeat: ipyparallel's 3 s period doubled a local start.
+    controller = psutil.Process(cluster._source.ipp_cluster.controller.pid)
+    args = " ".join(controller.cmdline())
+    assert f"--HeartMonitor.period={launch.HEARTBEAT_MS}" in args
+    assert f"--HeartMonitor.max_heartmonitor_misses={launch.HEARTBEAT_MISSES}" in args
+    assert launch.HEARTBEAT_MS <= 500 and launch.HEARTBEAT_MS * launch.HEARTBEAT_MISSES == 30_000

@@ -30,6 +30,11 @@ import psutil
 from lab.pool import launchers, lifetime
 
 KILL_WAIT_S = 10.0  # how long stop waits for killed processes to be gone (torn down by the kernel)
+# The hub completes an engine's registration only at its next heartbeat: at ipyparallel's 3 s period a
+# local pool took ~6.6 s to come up, ~3.2 s at 0.5 s. The misses scale with it, so an engine is still
+# declared gone after 30 s of silence, as with ipyparallel's defaults.
+HEARTBEAT_MS, HEARTBEAT_MISSES = 500, 60
+CONTROLLER_ARGS = [f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
 
 
 @dataclass
@@ -56,7 +61,8 @@ def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60
     engines, config = launchers.engine_launcher_config(launcher, n, engine_env or {})
     lifetime.watch_driver(config)  # every process started here ends when this one is gone
     cluster = ipp.Cluster(n=n, profile_dir=profile_dir, controller_ip=controller_ip, config=config,
-                          engines=engines, log_level=40, shutdown_atexit=False, engine_timeout=timeout)
+                          engines=engines, log_level=40, shutdown_atexit=False, engine_timeout=timeout,
+                          controller_args=CONTROLLER_ARGS)
     try:
         client = cluster.start_and_connect_sync(activate=False)
         client.wait_for_engines(n, timeout=timeout)

@@ -102,7 +102,7 @@ def _cap_and_check(network: Network, gbit: float) -> None:
 def _start_controller(network: Network) -> launch.EngineSource:
     profile_dir = tempfile.mkdtemp(prefix="cluster-lab-hosts-")  # 0700
     cluster = ipp.Cluster(n=0, profile_dir=profile_dir, controller_ip=network.bridge_address, log_level=40,
-                          shutdown_atexit=False)
+                          shutdown_atexit=False, controller_args=launch.CONTROLLER_ARGS)
     source = launch.EngineSource(None, cluster, True, profile_dir)  # type: ignore[arg-type]
     try:
         cluster.start_controller_sync()
