@@ -1,6 +1,6 @@
 """Standby engines: started beside an owned pool's ranks, warmed, and swapped in for a lost rank.
 
-A fresh engine takes 5-8 s to be usable on a loaded two-core machine (Python starts,
+A fresh engine takes 3-4 s to be usable on an idle two-core machine, more under load (Python starts,
 ipyparallel registers it, torch is imported), longer than anyone should wait to hear that
 a rank died. So a pool the lab started keeps ``want`` spare engines registered with
 torch already imported (``kernels.engine.runtime.describe_engine`` imports it and arms the

@@ -27,7 +27,7 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
         collective_timeout: seconds a collective may wait before torch gives up.
         activate: point IPython's ``%%px`` at the ranks when running in IPython.
         spare_engines: engines kept started and warmed beside the ranks; a rank whose engine
-            dies (or is killed, wedged) takes one over in about a second instead of the 5-8 s
+            dies (or is killed, wedged) takes one over in about a second instead of the 3-4 s
             a fresh engine needs, so the error comes with the world already rebuilt. Default 1, or the
             ``CLUSTER_LAB_SPARE_ENGINES`` environment variable where it is set (a classroom server sets 0:
             a spare is a whole Python process with torch imported, about a fifth of a 4-rank pool's memory).

@@ -34,7 +34,7 @@ What it does not resume from:
   raise again, so the error is raised as without ``auto_resume``;
 - a call that fails again after ``MAX_TRIES`` resumes from the same checkpoint: ``AutoResumeError``;
 - a lost rank the pool cannot replace. A pool the lab started always can (a ready spare in
-  about a second; without one, the resume waits for a fresh engine, 5-8 s). A pool attached
+  about a second; without one, the resume waits for a fresh engine, 3-4 s). A pool attached
   with ``lab.connect`` cannot: the lab never kills or replaces engines it did not start. Then
   ``AutoResumeError`` says there is no spare, and nothing is lost: the checkpoints stay, the
   error names the last complete one, and the Training keeps its losses and ``steps_done`` of its
