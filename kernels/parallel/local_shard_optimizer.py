@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from kernels.parallel.mesh import local_part
+from kernels.parallel.mesh import dtensor_like, local_part
 
 
 class LocalShardOptimizer(torch.optim.Optimizer):
@@ -100,12 +100,6 @@ class LocalShardOptimizer(torch.optim.Optimizer):
         for name, value in stepped.items():
             if name in kept and local_part(kept[name]) is value:
                 continue  # updated in place: the DTensor around it already sees the step
-            kept[name] = _placed_like(p, value)
-
-
-def _placed_like(p: nn.Parameter, value: Any) -> Any:
-    """``value`` as a DTensor on ``p``'s mesh and placements when it is a per-element local tensor of ``p``."""
-    if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
-            and value.shape == local_part(p).shape):
-        return value  # a scalar (AdamW's step count) stays a plain tensor, as torch keeps it for DTensors
-    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            per_element = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local_part(p).shape
+            # A scalar (AdamW's step count) stays a plain tensor, as torch keeps it for DTensors.
+            kept[name] = dtensor_like(p, value) if per_element else value

@@ -164,6 +164,13 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (shaped as ``p``'s local shard) as a DTensor on ``p``'s mesh and placements; itself when ``p`` is plain."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     """Destroy the sub-groups these meshes created; the default (world) group is kept.
 

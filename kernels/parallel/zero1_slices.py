@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from kernels.parallel.mesh import local_part
+from kernels.parallel.mesh import dtensor_like, local_part
 
 
 def slice_bounds(n: int, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -96,12 +96,7 @@ class OwnedSlice:
 
     def whole(self, piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """``piece`` gathered into the parameter's shape, placed as the parameter is (a DTensor on its mesh)."""
-        local = self.gathered(piece, group).view(self.local_shape)
-        p = self.param
-        if not isinstance(p, DTensor):
-            return local
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        return dtensor_like(self.param, self.gathered(piece, group).view(self.local_shape))
 
     def mine(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``value``, a state tensor shaped as the parameter (any placements), as a new tensor."""

@@ -34,7 +34,8 @@ KILL_WAIT_S = 10.0  # how long stop waits for killed processes to be gone (torn 
 # local pool took ~6.6 s to come up, ~3.2 s at 0.5 s. The misses scale with it, so an engine is still
 # declared gone after 30 s of silence, as with ipyparallel's defaults.
 HEARTBEAT_MS, HEARTBEAT_MISSES = 500, 60
-CONTROLLER_ARGS = [f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
+CONTROLLER_ARGS = [f"--HeartMonitor.period={HEARTBEAT_MS}",
+                   f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
 
 
 @dataclass
