@@ -5,7 +5,8 @@ run's first save: ``kernels.checkpoint.staging_buffers``) and writes it from a b
 thread over a separate gloo group; rank 0 renames the checkpoint when its write (which
 ends after everyone's) is done. DCP's plan cache is on: the saves of one run after the
 first skip gathering and checking the plans again, and hand DCP the first save's tensors
-(the live ones, ``kernels.checkpoint.live_payload``) rather than a new state dict. What is
+(the live ones, ``kernels.checkpoint.live_payload``) rather than a new state dict, and the
+copy to CPU memory skips what the last save's plan gave other ranks to write. What is
 written, and how a save is named once whole, are ``kernels.checkpoint.save_load``'s.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from kernels.checkpoint.files import PARTIAL_SUFFIX
 from kernels.checkpoint.live_payload import LivePayload
@@ -27,16 +29,29 @@ from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
 
 
 class _CachedPlans(DefaultSavePlanner):
-    """DCP's default planner with its plan cache on, under a key of its own.
+    """DCP's default planner with its plan cache on, under a key of its own, that writes no tensor the stager skipped.
 
     DCP caches the save plans (and skips gathering the unchanged ones) under the planner's
     key, by default its class name, process-wide: one key per saver keeps a later run of
     another layout on the same warm engine from merging with this one's plans.
     """
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, stager: ReusedStagingBuffers) -> None:
         super().__init__(enable_plan_caching=True)
         self._cached_plans_key = key
+        self._stager = stager
+
+    def written(self) -> frozenset[str] | None:
+        """The flattened keys of the tensors this rank's last finished plan wrote (None before the first)."""
+        plan = getattr(self, "plan", None)
+        return None if plan is None else frozenset(item.index.fqn for item in plan.items
+                                                   if item.type != WriteItemType.BYTE_IO)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.index.fqn in self._stager.skipped:  # only if every rank's shares changed since the last save
+            raise RuntimeError(f"checkpoint: this rank's plan now writes {write_item.index.fqn!r}, which its copy to "
+                               "CPU memory skipped as another rank's share; the save is abandoned, not written stale")
+        return super().resolve_data(write_item)
 
 
 class AsyncSaver:
@@ -54,8 +69,8 @@ class AsyncSaver:
         self.group = dist.new_group(ranks, backend="gloo")
         # Every save of one run has the same keys and shards: after the first, DCP reuses its plans,
         # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
-        self.planner = _CachedPlans(f"lab-async-save-{id(self)}")
         self.stager = ReusedStagingBuffers()
+        self.planner = _CachedPlans(f"lab-async-save-{id(self)}", self.stager)
         self.payload = LivePayload()
         self.pending: Future | None = None
         self.staging: Future | None = None  # the copy to CPU memory under way, before the write
@@ -64,6 +79,7 @@ class AsyncSaver:
         """Like ``save_checkpoint``, returning once the copy to CPU memory has started; rank 0 renames when the write
         is done."""
         self._finish_local()  # the previous write (one at a time); no barrier: the next save names another directory
+        self.stager.only(self.planner.written())  # the plan is cached: this save's share is the last one's
         final, began = Path(path), time.perf_counter()
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         try:
