@@ -6,7 +6,7 @@ collective entry and exit, and at every traced action (forward, backward, optimi
 and is published into a small memory-mapped file of its own in the pool's profile
 directory (``kernels.watch.state_file``); the driver reads it whenever it likes, even
 from a rank that will never return. A training rank's log publishes from a thread, at
-most every 20 ms (``publish_every_s``), so a change costs the step no file write; a
+most every 100 ms (``publish_every_s``), so a change costs the step no file write; a
 fault and the run's end are written at once. NCCL has its own flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``); this
 is the lab's equivalent for gloo, and for any backend what the ranks traced.
 

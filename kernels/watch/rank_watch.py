@@ -28,7 +28,7 @@ training run:
 
 ``finish()`` returns the per-step ``StepWait`` records (time inside collectives, in the
 gradient sync, and the rest). The state file is written from the log's publisher thread,
-at most every 20 ms, not at each change (docs/design.md#watching-ranks has the measured figures).
+at most every 100 ms, not at each change (docs/design.md#watching-ranks has the measured figures).
 
 It is used by ``kernels.train.entry.train_rank`` (with ``watch_collectives`` or faults), which
 sits above this module; tests/test_faults.py runs it on real ranks (stragglers, hangs, crashes).

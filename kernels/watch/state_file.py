@@ -31,7 +31,7 @@ from kernels.contract.watch_records import RankActivity
 
 SIZE = 1 << 16  # bytes of one rank's file: a snapshot is well under a kilobyte, open collectives included
 HEADER = struct.Struct("<QI")  # sequence counter (odd while writing), JSON length
-PUBLISH_EVERY_S = 0.02  # how late a training rank's file may be; a hang report waits seconds, not milliseconds
+PUBLISH_EVERY_S = 0.1  # how late a training rank's file may be; a hang report waits seconds, not milliseconds
 
 
 def log_path(pid: int, directory: str | None = None) -> str:
