@@ -73,7 +73,7 @@ def _write_a_skipped_tensor(root: str) -> str:
     except BaseException as error:  # DCP's CheckpointException (a BaseException) carries the failed rank's error
         return f"{type(error).__name__}: {error}"
     finally:
-        saver.stager.close()
+        saver.close()  # the failed save is no longer pending: this frees the buffers and the saver's group
     return ""
 
 
