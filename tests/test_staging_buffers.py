@@ -4,7 +4,8 @@
 DCP's ``DefaultStager`` and afterwards copies only tensor data into that copy. Each save's
 staged dict must equal a fresh ``DefaultStager`` copy of the same state, must not change
 when the training changes its tensors afterwards, and a state of another shape must get
-a new deep copy. The copy runs on the stager's own thread (torch >= 2.9), so the training goes on
+a new deep copy. Told this rank's share (``only``), it copies only those tensors and names the
+rest (``skipped``). The copy runs on the stager's own thread (torch >= 2.9), so the training goes on
 while it runs. One process, a gloo world of one (for the DTensor).
 """
 from __future__ import annotations
@@ -108,4 +109,19 @@ def test_the_copy_runs_on_the_stagers_thread_from_start_while_the_caller_goes_on
     assert copying.wait(10) and not future.done()
     release.set()
     assert future.result()["model"]["b"][0] == 2.0 and where["thread"].startswith("lab-checkpoint-staging")
+    stager.close()
+
+
+def test_only_copies_this_ranks_share_and_names_what_it_skipped(mesh):
+    stager = ReusedStagingBuffers()
+    first = _staged(stager, _state(mesh, 1.0))
+    stager.only(frozenset({"model.w", "rng.0"}))  # the flattened keys, as DCP's plan names them
+    staged = _staged(stager, _state(mesh, 2.0))
+    assert staged is first and stager.skipped == {"model.b", "optim.state.w.step"}
+    assert torch.equal(staged["model"]["w"].to_local(), torch.arange(12.0).reshape(3, 4) * 2.0)  # copied
+    assert torch.equal(staged["model"]["b"], torch.full((4,), 1.0))  # another rank's share: left as it was
+    assert staged["optim"]["settings.lr"] == 0.02  # plain values are always fresh
+    stager.only(None)
+    _staged(stager, _state(mesh, 3.0))
+    assert stager.skipped == frozenset() and torch.equal(staged["model"]["b"], torch.full((4,), 3.0))
     stager.close()
