@@ -135,3 +135,34 @@ def test_the_hub_beats_every_half_second_and_still_drops_an_engine_only_after_30
     assert f"--HeartMonitor.period={launch.HEARTBEAT_MS}" in args
     assert f"--HeartMonitor.max_heartmonitor_misses={launch.HEARTBEAT_MISSES}" in args
     assert launch.HEARTBEAT_MS <= 500 and launch.HEARTBEAT_MS * launch.HEARTBEAT_MISSES == 30_000
+
+
+def _world_groups_recorded() -> tuple[str | None, int]:
+    """On a rank: TORCH_FR_BUFFER_SIZE, and how many groups torch's flight recorder saw in an all_reduce just made."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from kernels.watch.flight_recorder import group_summaries
+
+    since = time.time_ns()
+    dist.all_reduce(torch.ones(1))
+    return os.environ.get("TORCH_FR_BUFFER_SIZE"), len(group_summaries(since_ns=since))
+
+
+def test_flight_recorder_must_be_true_or_false_and_nothing_starts_otherwise():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(TypeError, match="flight_recorder must be True or False"):
+        lab.start(n=2, flight_recorder="off", activate=False)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+@pytest.mark.slow  # starts a second pool
+def test_a_pool_started_without_the_flight_recorder_records_nothing_and_its_spares_start_alike(cluster):
+    assert cluster.run(_world_groups_recorded) == [("500", 1)] * 4  # the default pool records the all_reduce
+    with lab.start(n=2, backend="gloo", activate=False, flight_recorder=False) as pool:
+        assert pool.run(_world_groups_recorded) == [("0", 0)] * 2
+        # Spares and restarts are started from the same launcher configuration.
+        assert pool._source.ipp_cluster.config.LocalEngineSetLauncher.environment["TORCH_FR_BUFFER_SIZE"] == "0"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from kernels.watch.flight_recorder import BUFFER_ENV as FLIGHT_RECORDER_VARIABLE
 from lab.pool import launch, launchers
 from lab.pool.cluster import Cluster, default_rank_count
 
@@ -12,7 +13,7 @@ SPARES_VARIABLE = "CLUSTER_LAB_SPARE_ENGINES"  # a shared server's default: docs
 def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | None = None,
           timeout: float = 60.0, *, share_gpu: bool = False, controller_ip: str = "127.0.0.1",
           collective_timeout: float = 300.0, activate: bool = True, spare_engines: int | None = None,
-          launcher: str = "local") -> Cluster:
+          launcher: str = "local", flight_recorder: bool = True) -> Cluster:
     """Start ``n`` engines on this machine and build a torch.distributed world on them.
 
     Args:
@@ -34,6 +35,11 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
         launcher: "local" (one child process per engine) or "mpi" (all engines under one
             ``mpiexec``, through ipyparallel's MPI launcher; see ``lab.pool.launchers`` for the
             Open MPI flags it adds). Spares get an ``mpiexec`` of their own.
+        flight_recorder: torch's ring of every process group's collectives, which a hang report reads
+            (its per-group findings). False starts the engines, spares and restarts included, with
+            ``TORCH_FR_BUFFER_SIZE=0``: no recorder, and a hang report without those findings, for a
+            step with nothing of the lab's beside it. For ``connect``, set that variable where the
+            engines start.
 
     Every process started here ends with this one, however it ends: SIGTERM or SIGHUP stop
     the pool as ``stop()`` does, and after a SIGKILL each process notices within seconds
@@ -46,10 +52,15 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     if spare_engines < 0:
         raise ValueError(f"spare_engines must be 0 or more, got {spare_engines}")
     launchers.check_launcher(launcher)
+    if not isinstance(flight_recorder, bool):
+        raise TypeError(f"flight_recorder must be True or False, got {flight_recorder!r}")
     # Like torchrun, cap each engine's OpenMP pool before it starts; torch threads are set again per rank.
     threads = threads_per_rank or 1
-    source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout,
-                                engine_env={"OMP_NUM_THREADS": str(threads)}, launcher=launcher)
+    engine_env = {"OMP_NUM_THREADS": str(threads)}
+    if not flight_recorder:  # c10d reads it once, at the process's first group: it must be there at launch
+        engine_env[FLIGHT_RECORDER_VARIABLE] = "0"
+    source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout, engine_env=engine_env,
+                                launcher=launcher)
     return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
                    timeout=timeout, collective_timeout=collective_timeout, activate=activate,
                    spare_engines=spare_engines)
