@@ -8,7 +8,7 @@ and the baseline's alternate, so both share the machine's drift. Per feature, th
 - progress records (``progress``): the median step (slowest rank), on against off;
 - collective log with its beacon (``watch_collectives``): the median step, on against off;
 - flight recorder (torch's ring of collectives, on in every pool): the median step of a second pool started
-  with ``TORCH_FR_BUFFER_SIZE=0`` against this one, both with everything else off;
+  with ``lab.start(flight_recorder=False)`` against this one, both with everything else off;
 - tracing (``trace``) and memory measurement (``measure``) instrument the last step only: that step,
   on against off;
 - async checkpoints (``checkpoint_async``, a save every ``--every`` steps): the median step plus the
@@ -73,13 +73,9 @@ def measure_all(steps: int, rounds: int, every: int) -> list[tuple[str, float, f
         rows.append((f"async checkpoints (a save every {every} steps)", *compare(
             cluster, base, lambda: {"checkpoint_dir": tempfile.mkdtemp(dir=root), "checkpoint_every": every,
                                     "checkpoint_async": True}, with_saves, rounds)))
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # the second pool's engines start without the recorder
-        try:
-            with lab.start(n=4, backend="gloo", threads_per_rank=1, activate=False) as unrecorded:
-                settled(unrecorded).run(train_rank, base)
-                rows.append(("flight recorder", *compare(cluster, base, dict, steady, rounds, off_cluster=unrecorded)))
-        finally:
-            del os.environ["TORCH_FR_BUFFER_SIZE"]
+        with lab.start(n=4, backend="gloo", threads_per_rank=1, activate=False, flight_recorder=False) as unrecorded:
+            settled(unrecorded).run(train_rank, base)
+            rows.append(("flight recorder", *compare(cluster, base, dict, steady, rounds, off_cluster=unrecorded)))
     return rows
 
 
