@@ -38,7 +38,8 @@ def test_a_plan_from_a_config_equals_the_plan_from_its_shape_by_hand():
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
     by_hand = dict(name="by hand", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
-                   gated_mlp=True, tied_embeddings=False, learned_pos=False, bias=False, fused_qkv=False, sharded_ends=True)
+                   gated_mlp=True, tied_embeddings=False, learned_pos=False, bias=False, one_tp_input=False,
+                   sharded_ends=True)
     ours, theirs = (lab.plan(m, gpus=16, parallel=dict(tp=8, dp=2), seq_len=4096, global_batch=64)
                     for m in (config, by_hand))
     assert ours.params == theirs.params == pytest.approx(8.03e9, rel=1e-3)

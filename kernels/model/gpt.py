@@ -189,7 +189,13 @@ def block_tp_plan(sequence_parallel: bool, columns: tuple[str, ...], rows: tuple
     ``attn``/``mlp`` halves have the same names in every model of the lab; only the projections differ.
     """
     if not sequence_parallel:
-        return {**{name: ColwiseParallel() for name in columns}, **{name: RowwiseParallel() for name in rows}}
+        # Each half's input becomes one Replicate DTensor before its projections, as Megatron's one f: q, k and v
+        # (gate and up) then sum their Partial input gradients locally and all-reduce once. Left to
+        # ColwiseParallel alone, each projection would wrap the input itself and all-reduce its own gradient.
+        enter_once = {half: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+                      for half in ("attn", "mlp") if any(name.startswith(half + ".") for name in columns)}
+        return {**enter_once, **{name: ColwiseParallel() for name in columns},
+                **{name: RowwiseParallel() for name in rows}}
     # SP: the residual stream between blocks is (B, T/tp, C) on each rank, Shard(1).
     return {
         "attn_norm": SequenceParallel(),  # the norm on (B, T/tp, C)

@@ -10,7 +10,9 @@ In each block, on the tp axis of the mesh:
 
 - q/k/v and mlp.fc_in are column-parallel (weight ``Shard(0)``): each rank computes
   heads/tp heads and d_ff/tp hidden units. Forward: identity on the replicated
-  input; backward: all_reduce of the input gradient.
+  input; backward: all_reduce of the input gradient, once per attention and once per
+  MLP (a ``PrepareModuleInput`` makes each half's input one DTensor, so q, k and v sum
+  their gradients before the all_reduce, as Megatron's one f does).
 - attn.out and mlp.fc_out are row-parallel (weight ``Shard(1)``): each rank's output
   is a partial sum. Forward: all_reduce (to Replicate), or reduce_scatter over the
   sequence dim under SP; backward: identity (or all_gather under SP).

@@ -23,11 +23,11 @@ What is counted, per iteration with M micro-batches per dp rank:
   out) and two backward (their conjugates), two more forward under recomputation;
   with sequence parallelism each all-reduce becomes an all-gather plus a
   reduce-scatter of the same total.
-  A model whose q/k/v are separate column-parallel Linears (the lab's GPT,
-  ``ModelSpec.fused_qkv=False``) all-reduces the attention input's gradient once per
-  projection: 4 backward all-reduces per block instead of 2 (not under SP, where one
-  all-gather feeds all three and its reduce-scatter comes once); separate gate and up
-  projections of a gated MLP (Llama's) add one more.
+  A per-projection plan (an HF model's, ``ModelSpec.one_tp_input=False``) wraps each
+  column-parallel Linear's input itself, so it all-reduces the attention input's gradient
+  once per projection: 4 backward all-reduces per block instead of 2 (not under SP, where
+  one all-gather feeds all three and its reduce-scatter comes once); separate gate and up
+  projections of a gated MLP (Llama's) add one more. The lab's models enter each half once.
 - tp axis outside the blocks, for a model whose plan splits its ends (``Work.embed``/``Work.head``:
   the lab's GPT and Llama, HF Llama): the row-parallel token and position embeddings all-reduce their
   outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input
@@ -101,7 +101,7 @@ class Work:
     embed: bool = False  # holds TP-sharded embeddings (per-tensor models): their collectives count
     head: bool = False  # holds the TP-sharded LM head (per-tensor models)
     vocab: int | None = None
-    qkv_allreduces: int = 1  # backward all-reduces of the attention input: 1 fused, 3 separate q/k/v
+    qkv_allreduces: int = 1  # backward all-reduces of the attention input: 1 entered once, 3 per projection
     mlp_allreduces: int = 1  # backward all-reduces of the MLP input: 2 for separate gate and up projections
     learned_pos: bool = True  # a row-parallel position table beside the token embedding
     stage_ids: tuple[int, ...] = ()  # this pipeline rank's stages; () = a middle stage

@@ -165,8 +165,8 @@ def _base_work(spec: ModelSpec, lay: Layout, dtype: str, mb: int, m: int, seq: i
         if spec.heads and spec.hidden else None
     routed = dispatched_tokens(mb, local, spec.top_k, spec.experts, spec.capacity_factor) if spec.experts else 0.0
     return Work(0.0, dtype_bytes(dtype), mb, m, local, spec.hidden, None, vocab=spec.vocab,
-                qkv_allreduces=1 if spec.fused_qkv else 3,
-                mlp_allreduces=2 if spec.gated_mlp and not spec.fused_qkv else 1, learned_pos=spec.learned_pos,
+                qkv_allreduces=1 if spec.one_tp_input else 3,
+                mlp_allreduces=2 if spec.gated_mlp and not spec.one_tp_input else 1, learned_pos=spec.learned_pos,
                 dispatched=routed, experts=spec.experts, kv_dim=kv_dim)
 
 

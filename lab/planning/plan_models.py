@@ -52,10 +52,11 @@ class ModelSpec:
     tied_embeddings: bool = True  # output head shares the input embedding (GPT-2/3, BERT)
     learned_pos: bool = True  # learned position table of seq_len x hidden (GPT, BERT); RoPE has none
     bias: bool = True  # linear and LayerNorm biases (GPT, BERT); Llama has none
-    # Megatron fuses q/k/v into one column-parallel GEMM: one backward all-reduce of its
-    # input gradient. The lab's GPT has separate q, k, v Linears, each with its own
-    # DTensor input (from_local), so TP all-reduces that gradient three times.
-    fused_qkv: bool = True
+    # Each half of a block (attention, MLP) enters the TP region once, as Megatron's one f: one backward
+    # all-reduce of its input gradient (fused q/k/v, or the lab's models, whose plan makes each half's input
+    # one DTensor). False: a per-projection plan (HF's) wraps each projection's input itself, so TP
+    # all-reduces that gradient once per projection: three for q, k, v and two for a gated MLP's gate and up.
+    one_tp_input: bool = True
     per_tensor: bool = False  # size shards tensor by tensor (gpt_tensors), as the lab's GPT is built
     # The TP plan splits the token embedding by rows and the head by columns (the lab's GPT and Llama, and
     # the HF decoders whose plans say so), so their collectives are counted (plan_comm._tp_outer_entries).
@@ -86,7 +87,7 @@ class ModelSpec:
         spec = cls(name or f"lab GPT L{get('layers', 4)} d{d_model}", 0.0, int(get("layers", 4)), d_model,
                    int(get("heads", 4)), None, int(d_ff) if d_ff is not None else 4 * d_model,
                    int(get("vocab", 256)), seq_len=int(get("seq_len", 32)), tied_embeddings=False,
-                   bias=bool(get("bias", True)), fused_qkv=False, per_tensor=True,
+                   bias=bool(get("bias", True)), per_tensor=True,
                    sharded_ends=True, **experts_of(get))
         return dataclasses.replace(spec, params=spec.shape_params)
 

@@ -42,7 +42,7 @@ def spec_from_config(model: Any, name: str | None = None) -> ModelSpec:
         spec = ModelSpec(name or f"lab Llama L{model.layers} h{model.hidden}", 0.0, model.layers, model.hidden,
                          model.heads, model.kv_heads, model.ffn, model.vocab, seq_len=model.seq_len,
                          gated_mlp=model.gated_mlp, tied_embeddings=model.tied_embeddings,
-                         learned_pos=model.learned_pos, bias=model.bias, fused_qkv=False, sharded_ends=True,
+                         learned_pos=model.learned_pos, bias=model.bias, sharded_ends=True,
                          **experts_of(lambda k, d=None: getattr(model, k, d)))
     else:
         kind = getattr(model, "model_type", "")
@@ -54,7 +54,7 @@ def spec_from_config(model: Any, name: str | None = None) -> ModelSpec:
                          hidden, heads, int(getattr(model, "num_key_value_heads", None) or heads), int(ffn),
                          int(model.vocab_size), seq_len=int(positions), gated_mlp=not gpt_style,
                          tied_embeddings=bool(getattr(model, "tie_word_embeddings", False)), learned_pos=gpt_style,
-                         bias=gpt_style or bool(getattr(model, "attention_bias", False)), fused_qkv=gpt_style,
+                         bias=gpt_style or bool(getattr(model, "attention_bias", False)), one_tp_input=gpt_style,
                          qkv_bias=kind in _QKV_BIAS, sharded_ends=not gpt_style,
                          head_dim=getattr(model, "head_dim", None) or None, qk_norm=kind in _QK_NORM,
                          **moe_config_fields(model, int(ffn)))
