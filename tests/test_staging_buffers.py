@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kernels.checkpoint.staging_buffers import STAGES_IN_BACKGROUND, ReusedStagingBuffers
+from kernels.checkpoint.staging_buffers import ReusedStagingBuffers
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def _staged(stager: ReusedStagingBuffers, state: dict) -> dict:
     """What ``stage`` staged, once its copy is done."""
     out = stager.stage(state)
     stager.start()
-    return out.result() if isinstance(out, Future) else out
+    return out.result()
 
 
 def _equal(a, b) -> bool:
@@ -90,7 +90,6 @@ def test_a_state_of_another_shape_is_deep_copied_again(mesh):
     stager.close()
 
 
-@pytest.mark.skipif(not STAGES_IN_BACKGROUND, reason="dcp.async_save takes a stager's future from torch 2.9 on")
 def test_the_copy_runs_on_the_stagers_thread_from_start_while_the_caller_goes_on(mesh):
     stager = ReusedStagingBuffers()
     _staged(stager, _state(mesh, 1.0))

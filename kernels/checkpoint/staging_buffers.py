@@ -1,7 +1,8 @@
 """An async-save stager that copies each save into the CPU buffers of the first one.
 
-Algorithm: ``dcp.async_save`` first stages the state dict (copies it to CPU memory the
-training will not touch), then writes the copy in a background thread. DCP's
+Algorithm: an asynchronous save first stages the state dict (copies it to CPU memory the
+training will not touch), then writes the copy in a background thread
+(``kernels.checkpoint.async_save``, as ``dcp.async_save`` does). DCP's
 ``DefaultStager`` deep-copies the whole nested dict every time: a Python walk that sends
 each DTensor through DTensor's dispatcher, tens of milliseconds for a small GPT's few
 hundred entries, all of it on the training thread. Every save of one run holds the same
@@ -18,14 +19,13 @@ planner refuses to write one of those (the plan would have changed since), so a 
 stale buffer can never reach a checkpoint.
 
 The copying runs on a thread of its own: ``stage`` returns a future at once, ``start`` (called
-once ``dcp.async_save`` has returned, so that the copy's Python work does not hold the GIL
-while the training thread is still inside the save call) begins the copy, and the training
+once the save has been handed to the writer, so that the copy's Python work does not hold the
+GIL while the training thread is still inside the save call) begins the copy, and the training
 goes on with its next forward and backward while the copy runs. The training must not change
 the parameters or the optimizer state before the future is done: ``AsyncSaver.staged`` waits
-for it right before the next optimizer step. ``dcp.async_save`` takes a stager's future from
-torch 2.9 on (``AsyncSaveResponse``); before, the copy runs on the caller's thread. The buffers
-are reused, so a save may only be staged once the previous one is written; ``AsyncSaver`` keeps
-one save in flight for that reason.
+for it right before the next optimizer step, and the writer waits for it before writing. The
+buffers are reused, so a save may only be staged once the previous one is written;
+``AsyncSaver`` keeps one save in flight for that reason.
 """
 from __future__ import annotations
 
@@ -33,13 +33,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import state_dict_saver
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from kernels.parallel.mesh import local_part
 
-STAGES_IN_BACKGROUND = hasattr(state_dict_saver, "AsyncSaveResponse")  # async_save takes a stager's future
 
 
 def _pairs(fresh: Any, staged: Any, out: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str = "") -> bool:
@@ -69,10 +67,8 @@ def _replace_plain(fresh: dict, staged: dict) -> None:
             staged[key] = value
 
 
-class ReusedStagingBuffers(AsyncStager):
+class ReusedStagingBuffers:
     """Stage a state dict by copying into the buffers of the first one staged, on a thread (module docstring)."""
-
-    _synchronize_after_execute = False  # the caller waits on the future ``stage`` returns
 
     def __init__(self) -> None:
         self._full = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
@@ -88,12 +84,9 @@ class ReusedStagingBuffers(AsyncStager):
         """Copy only the tensors under these flattened keys from the next save on (None: every tensor)."""
         self._wanted = keys
 
-    def stage(self, state_dict: dict[str, Any]) -> Future | dict[str, Any]:
-        """A future of a CPU copy of ``state_dict`` (the copy itself before torch 2.9), the same object save after
-        save; the copy begins at ``start``, and until the future is done the training must not change the
-        tensors ``state_dict`` holds."""
-        if not STAGES_IN_BACKGROUND:
-            return self._copy(state_dict)
+    def stage(self, state_dict: dict[str, Any]) -> Future:
+        """A future of a CPU copy of ``state_dict``, the same object save after save; the copy begins at ``start``,
+        and until the future is done the training must not change the tensors ``state_dict`` holds."""
         self._next = (state_dict, Future())
         return self._next[1]
 
@@ -124,9 +117,6 @@ class ReusedStagingBuffers(AsyncStager):
             buffer.copy_(source)
         _replace_plain(state_dict, self._staged)
         return self._staged
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for here: whoever staged waits on the future ``stage`` returned."""
 
     def close(self) -> None:
         """Finish a copy under way, stop the thread and drop the buffers."""

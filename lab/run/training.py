@@ -18,7 +18,7 @@ the model, the optimizer and the data position there between cells:
 - ``checkpoint_dir``/``checkpoint_every=K``: ``step()`` saves after every global step that
   is a multiple of K and after its last step, so a run a failure stops resumes from the
   last complete save with ``Training.load``; ``checkpoint_async=True`` writes them in the
-  background (``dcp.async_save``, as an Experiment's), and ``step()`` returns once the last
+  background (as ``dcp.async_save`` does, as an Experiment's), and ``step()`` returns once the last
   one is complete;
 - ``grad_clip``, ``lr_schedule``, ``shuffle``, ``spike_guard`` (``lab.run.training_hygiene``) and ``watch``
   as an Experiment's: the schedule goes on at the global step, and the guard's window lives on the
