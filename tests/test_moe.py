@@ -204,7 +204,7 @@ def test_a_moe_blocks_tp_plan_splits_the_attention_only_and_refuses_sequence_par
     for cfg in (GPTConfig(**TINY, experts=4), LlamaConfig(**LLAMA, experts=4)):
         model = build_model(cfg)
         block_plan, _ = model.tp_plan()
-        assert block_plan and all(name.split(".")[0] == "attn" for name in block_plan)  # the attention and its projections
+        assert block_plan and all(name.split(".")[0] == "attn" for name in block_plan)  # attn and its projections
         assert "d_ff" not in model.tp_sizes() and "ffn" not in model.tp_sizes()
         with pytest.raises(ConfigError) as err:
             model.tp_plan(sequence_parallel=True)

@@ -5,7 +5,7 @@ DCP's ``DefaultStager`` and afterwards copies only tensor data into that copy. E
 staged dict must equal a fresh ``DefaultStager`` copy of the same state, must not change
 when the training changes its tensors afterwards, and a state of another shape must get
 a new deep copy. Told this rank's share (``only``), it copies only those tensors and names the
-rest (``skipped``). The copy runs on the stager's own thread (torch >= 2.9), so the training goes on
+rest (``skipped``). The copy runs on the stager's own thread, so the training goes on
 while it runs. One process, a gloo world of one (for the DTensor).
 """
 from __future__ import annotations

@@ -6,11 +6,12 @@ is copied to CPU memory (into the buffers of the run's first save, on the stager
 ``dcp.save`` over a separate gloo group; rank 0 renames the checkpoint when its write (which
 ends after everyone's) is done. ``dcp.async_save`` starts a new thread for every save, and
 ``Thread.start`` waits until the new thread runs: on ranks that outnumber the cores that wait
-was 18-37 ms in a fifth of the saves, longer than the rest of the save call. DCP's plan cache is on: the saves of one run after the
-first skip gathering and checking the plans again, and hand DCP the first save's tensors
-(the live ones, ``kernels.checkpoint.live_payload``) rather than a new state dict, and the
-copy to CPU memory skips what the last save's plan gave other ranks to write. What is
-written, and how a save is named once whole, are ``kernels.checkpoint.save_load``'s.
+was 18-37 ms in a fifth of the saves, longer than the rest of the save call. DCP's plan cache
+is on: the saves of one run after the first skip gathering and checking the plans again, and
+hand DCP the first save's tensors (the live ones, ``kernels.checkpoint.live_payload``) rather
+than a new state dict, and the copy to CPU memory skips what the last save's plan gave other
+ranks to write. What is written, and how a save is named once whole, are
+``kernels.checkpoint.save_load``'s.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class AsyncSaver:
         # Collective: every rank of the world builds it together, also those not in ``ranks`` (None: all of them).
         self.group = dist.new_group(ranks, backend="gloo")
         # Every save of one run has the same keys and shards: after the first, DCP reuses its plans,
-        # and the stager copies into the CPU buffers of the first save (async_save's own deep-copies each).
+        # and the stager copies into the CPU buffers of the first save (DCP's DefaultStager deep-copies each).
         self.stager = ReusedStagingBuffers()
         self.planner = _CachedPlans(self.stager)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lab-checkpoint-writer")

@@ -39,7 +39,6 @@ from torch.distributed.tensor import DTensor
 from kernels.parallel.mesh import local_part
 
 
-
 def _pairs(fresh: Any, staged: Any, out: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str = "") -> bool:
     """Collect each tensor's (source, buffer) local tensors of two dicts of one structure into ``out``, under its
     flattened key (DCP's: the dict keys joined by dots); False on any difference."""
