@@ -10,7 +10,8 @@
   all-to-all (``apply_ep``, ``ExpertGradSync``);
 - ``pipeline``: stages and torch's pipeline schedules (``build_pipeline``);
 - ``strategy``: the frozen ``Strategy`` a run config resolves to;
-- ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP.
+- ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP;
+- ``meta_shape_propagation``: DTensor's output shapes of a new mesh's ops worked out on meta tensors.
 
 The teaching twin ``kernels.train.data_parallel_naive`` stays outside, a hand-written DDP for the notebooks.
 """

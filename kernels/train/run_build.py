@@ -31,7 +31,7 @@ from kernels.train.measured_run import PipelineProbe, StepProbe, measure_record,
 from kernels.model.family import OwnConfig, build_model, model_config, model_loss
 from kernels.model.moe_routing import RoutingLog
 from kernels.train.optimizer import build_optimizer, optimizer_class
-from kernels.parallel import pipeline
+from kernels.parallel import meta_shape_propagation, pipeline
 from kernels.parallel.ddp import unwrap
 from kernels.parallel.fsdp import block_unit_names, describe_params, full_parameters
 from kernels.parallel.context_parallel import RingLog
@@ -95,6 +95,7 @@ class RankBuild:
 
     def __init__(self, run: RunConfig) -> None:
         freeze_long_lived()  # before anything of this build exists: its closing collection scans only the build's
+        meta_shape_propagation.install()  # a mesh's first DTensor ops propagate their shapes in C++, not FakeTensor
         self.run = run
         self.dims, self.strategy = dims_and_strategy(run, run.world_size or dist.get_world_size())
         self.device = runtime.rank_device()
