@@ -8,7 +8,8 @@
   ``zero1_slices``: ZeRO-1 with TP or PP, a 1/dp slice of every local shard (``Zero1SliceOptimizer``);
 - ``expert_parallel``: each MoE layer's experts split over ep data-parallel ranks, tokens sent by
   all-to-all (``apply_ep``, ``ExpertGradSync``);
-- ``pipeline``: stages and torch's pipeline schedules (``build_pipeline``);
+- ``pipeline``: stages and torch's pipeline schedules (``build_pipeline``); ``stage_shapes``: what a stage of
+  the lab's GPT or Llama takes and gives, so torch need not infer it;
 - ``strategy``: the frozen ``Strategy`` a run config resolves to;
 - ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP;
 - ``meta_shape_propagation``: DTensor's output shapes of a new mesh's ops worked out on meta tensors.

@@ -112,7 +112,8 @@ def build_pipeline(cfg: ModelConfig, schedule: str, pp_rank: int, pp_size: int,
                    stages_per_rank: int, microbatches: int, pp_group: dist.ProcessGroup | None,
                    device: torch.device | str, loss_fn: Callable, *,
                    model_transform: Callable[[nn.Module], nn.Module | None] | None = None,
-                   stage_layers: Sequence[int] | None = None) -> PipelineRuntime:
+                   stage_layers: Sequence[int] | None = None,
+                   stage_shapes: Callable[[int, int], dict[str, Any]] | None = None) -> PipelineRuntime:
     """Build this rank's stages of the seeded model (``kernels.model.family``) and the torch schedule that runs them.
 
     ``model_transform(module)`` is applied to each stage module before it is wrapped
@@ -134,7 +135,8 @@ def build_pipeline(cfg: ModelConfig, schedule: str, pp_rank: int, pp_size: int,
         if model_transform is not None:
             module = model_transform(module) or module
         modules.append(module)
-        stages.append(PipelineStage(module, sid, num_stages, device, group=pp_group))
+        examples = stage_shapes(sid, num_stages) if stage_shapes is not None else {}
+        stages.append(PipelineStage(module, sid, num_stages, device, group=pp_group, **examples))
     blocks = len(full.blocks)
     del full
     scaled_loss = MicrobatchMeanLoss(loss_fn, microbatches)

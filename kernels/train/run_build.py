@@ -40,6 +40,7 @@ from kernels.parallel.mesh import (ParallelDims, build_cp_mesh, build_ep_mesh, b
                                    dp_group, dp_rank, pp_group, pp_rank)
 from kernels.parallel.parallelize import parallelize
 from kernels.parallel.warm_meshes import let_go, warm_mesh
+from kernels.parallel.stage_shapes import stage_examples
 from kernels.parallel.tied_stages import TiedGrads
 from kernels.parallel.zero1 import build_zero1_optimizer, owned_parameters
 from kernels.contract.run_config import RunConfig
@@ -148,10 +149,12 @@ class RankBuild:
         run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
         transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=self.dp_mesh,
                                       cp_mesh=self.cp_mesh, ring_log=self.ring_log)  # each stage's attention a ring
+        shapes = functools.partial(stage_examples, model_config(run), strategy, run.global_batch // dims.data,
+                                   tp_mesh=mesh["tp"] if dims.tp > 1 else None)  # torch need not infer them
         self.pipe = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
                                             strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
                                             self.device, self.loss, model_transform=transform,
-                                            stage_layers=strategy.stage_layers)
+                                            stage_layers=strategy.stage_layers, stage_shapes=shapes)
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.data > 1  # dp·cp ranks meet
