@@ -14,7 +14,8 @@ For PP2×DP2, TP2×DP2 (ZeRO-3), ZeRO-3 DP4 and PP2×TP2 (4 CPU ranks, gloo, 1 t
    warm pool right after a run under another layout, vs a fresh ``torchrun`` launch of the same
    one-step job, process start to exit; once for a layout the pool ran before (its mesh kept warm,
    ``kernels.parallel.warm_meshes``), once after the pool let go of every kept mesh, as for a layout it
-   never ran. Goal: the lab at least 20× faster.
+   never ran; each figure the median of ``--rounds`` such pairs (lab, then relaunch). Goal: the lab at
+   least 20× faster.
 
 Run: ``python benchmarks/vs_torchrun.py [--steps 30] [--rounds 3]``
 """
@@ -129,10 +130,12 @@ def main() -> None:
             print("new settings -> first step done (the pool last ran another layout):")
             for name in LAYOUTS:
                 for cold in (False, True):
-                    lab_s, relaunch_s = first_step(cluster, name, cold)
+                    pairs = [first_step(cluster, name, cold) for _ in range(args.rounds)]  # lab and relaunch alternate
+                    lab_s, relaunch_s = (statistics.median(p[i] for p in pairs) for i in (0, 1))
                     kind = "never run on this pool" if cold else "run on this pool before"
-                    print(f"  {name} ({kind}): lab {lab_s:.2f} s, torchrun relaunch {relaunch_s:.2f} s, "
-                          f"lab {relaunch_s / lab_s:.1f}x faster (goal >= 20x)")
+                    spread = ", ".join(f"{p[0]:.2f}" for p in pairs)
+                    print(f"  {name} ({kind}): lab {lab_s:.2f} s ({spread}), torchrun relaunch {relaunch_s:.2f} s, "
+                          f"lab {relaunch_s / lab_s:.1f}x faster (goal >= 20x; medians of {args.rounds})")
 
 
 if __name__ == "__main__":
