@@ -106,7 +106,7 @@ def traced_pipeline_rank(case: dict) -> dict:
     """One rank's trace record of a pipeline step run by the real loop (``kernels.train.entry.train_rank``).
 
     ``case``: schedule, pp, dp (default world // pp), microbatches, optional stages_per_rank and
-    synthetic_forward_s. One untraced step (it also infers the p2p shapes), then the traced one.
+    synthetic_forward_s. One untraced step (it also pays first calls), then the traced one.
     """
     from kernels.contract.layout_rules import default_stages_per_rank
     from kernels.train.entry import train_rank

@@ -20,7 +20,8 @@ costs what it did):
   aligned to rank 0 (``kernels.measure.trace``): F/B/I/W per stage, p2p waits, the dp gradient
   all-reduce and the optimizer step. The driver computes the bubble
   (``lab.measure.timeline.bubble_from_records``) and the planned order to overlay. Use
-  ``steps >= 2``: the first step also infers the p2p shapes.
+  ``steps >= 2``: the first step also pays first calls (and, for a model whose stage shapes the lab does
+  not know, ``kernels.parallel.stage_shapes``, torch's inference of them).
 - ``synthetic_forward_s=t`` (pipelines: needs trace): every action is padded to a fixed cost (F = t,
   B = 2t per rank share, ``kernels.measure.synthetic``), so the bubble can be compared with
   theory. With real compute and more ranks than cores, the run's warnings say so.
