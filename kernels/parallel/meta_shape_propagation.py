@@ -26,15 +26,16 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.distributed._functional_collectives import _are_we_tracing
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 _METHOD = "_propagate_tensor_meta_non_cached"
-# A torch whose propagator lacks the method keeps its own way: install() leaves it alone.
-_torch_propagate: Callable[[ShardingPropagator, OpSchema], Any] | None = getattr(ShardingPropagator, _METHOD, None)
+try:  # private modules: a torch that moved them keeps its own way, and install() leaves it alone
+    from torch.distributed._functional_collectives import _are_we_tracing
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    _torch_propagate: Callable[[Any, Any], Any] | None = getattr(ShardingPropagator, _METHOD, None)
+except ImportError:
+    _torch_propagate = None
 
 
 def install() -> None:
@@ -52,17 +53,17 @@ def uninstall() -> None:
 
 def installed() -> bool:
     """Whether this process propagates on meta tensors."""
-    return getattr(ShardingPropagator, _METHOD, None) is _propagate_on_meta
+    return _torch_propagate is not None and getattr(ShardingPropagator, _METHOD) is _propagate_on_meta
 
 
-def torch_tensor_meta(propagator: ShardingPropagator, op_schema: OpSchema) -> Any:
+def torch_tensor_meta(propagator: Any, op_schema: Any) -> Any:
     """torch's own answer (fake tensors), whatever is installed."""
     return _torch_propagate(propagator, op_schema)
 
 
-def meta_tensor_meta(op_schema: OpSchema) -> Any:
-    """The op's output TensorMeta (or a tuple/list of them, None for non-tensors) from meta tensors;
-    raises ``NotImplementedError`` where meta does not answer as torch's fake tensors would."""
+def meta_tensor_meta(op_schema: Any) -> Any:
+    """The op's output TensorMeta (or a tuple/list of them, None for non-tensors) from meta tensors, given
+    DTensor's ``OpSchema``; raises ``NotImplementedError`` where meta does not answer as torch's fake tensors would."""
     leaves = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0]
     if "device" in op_schema.kwargs_schema or any(isinstance(leaf, torch.device) for leaf in leaves):
         raise NotImplementedError("an op given a device would allocate on it")
@@ -85,7 +86,7 @@ def meta_tensor_meta(op_schema: OpSchema) -> Any:
     return None
 
 
-def _propagate_on_meta(self: ShardingPropagator, op_schema: OpSchema) -> Any:
+def _propagate_on_meta(self: Any, op_schema: Any) -> Any:
     if _are_we_tracing():
         return _torch_propagate(self, op_schema)
     try:
