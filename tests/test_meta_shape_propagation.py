@@ -71,7 +71,7 @@ def test_meta_answers_as_torch_does_for_every_signature_of_a_step(monkeypatch, m
     for propagator, op_schema in seen:
         try:
             on_meta = meta_prop.meta_tensor_meta(op_schema)
-        except NotImplementedError:
+        except meta_prop.NoMetaAnswer:
             continue  # torch answers these itself
         answered += 1
         assert on_meta == meta_prop.torch_tensor_meta(propagator, op_schema), op_schema

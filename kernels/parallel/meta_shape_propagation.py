@@ -38,6 +38,10 @@ except ImportError:
     _torch_propagate = None
 
 
+class NoMetaAnswer(Exception):
+    """Meta tensors do not answer this op as torch's fake tensors would: torch's own method answers it."""
+
+
 def install() -> None:
     """Propagate DTensor's output shapes on meta tensors in this process, torch's way where meta can't (idempotent;
     nothing where this torch has no such method)."""
@@ -63,21 +67,21 @@ def torch_tensor_meta(propagator: Any, op_schema: Any) -> Any:
 
 def meta_tensor_meta(op_schema: Any) -> Any:
     """The op's output TensorMeta (or a tuple/list of them, None for non-tensors) from meta tensors, given
-    DTensor's ``OpSchema``; raises ``NotImplementedError`` where meta does not answer as torch's fake tensors would."""
+    DTensor's ``OpSchema``; raises ``NoMetaAnswer`` where meta does not answer as torch's fake tensors would."""
     leaves = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0]
     if "device" in op_schema.kwargs_schema or any(isinstance(leaf, torch.device) for leaf in leaves):
-        raise NotImplementedError("an op given a device would allocate on it")
+        raise NoMetaAnswer("an op given a device would allocate on it")
     specs = [leaf for leaf in leaves if isinstance(leaf, DTensorSpec)]
     if not specs or any(spec.tensor_meta is None for spec in specs):
-        raise NotImplementedError("no input shapes to start from")
+        raise NoMetaAnswer("no input shapes to start from")
     if any(not isinstance(size, int) for spec in specs for size in (*spec.tensor_meta.shape, *spec.tensor_meta.stride)):
-        raise NotImplementedError("symbolic shapes")
+        raise NoMetaAnswer("symbolic shapes")
     args = tree_map_only(DTensorSpec, _empty_meta, op_schema.args_schema, is_leaf=_is_spec)
     kwargs = tree_map_only(DTensorSpec, _empty_meta, op_schema.kwargs_schema, is_leaf=_is_spec)
     try:
         out = op_schema.op(*args, **kwargs)
     except Exception as error:  # data-dependent ops and kernels with no meta version
-        raise NotImplementedError(f"meta raised {type(error).__name__}") from error
+        raise NoMetaAnswer(f"meta raised {type(error).__name__}") from error
     if isinstance(out, torch.Tensor):
         return _tensor_meta(out)
     if isinstance(out, (tuple, list)):
@@ -91,7 +95,7 @@ def _propagate_on_meta(self: Any, op_schema: Any) -> Any:
         return _torch_propagate(self, op_schema)
     try:
         return meta_tensor_meta(op_schema)
-    except NotImplementedError:
+    except NoMetaAnswer:
         return _torch_propagate(self, op_schema)
 
 
@@ -106,5 +110,5 @@ def _empty_meta(spec: DTensorSpec) -> torch.Tensor:
 
 def _tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     if tensor.device.type != "meta":
-        raise NotImplementedError("the op answered off the meta device")
+        raise NoMetaAnswer("the op answered off the meta device")
     return TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)

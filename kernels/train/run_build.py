@@ -146,19 +146,18 @@ class RankBuild:
                                 self.loss, expert_sync, dp_average)
 
     def _build_pipeline(self) -> None:
-        run, dims, strategy, mesh = self.run, self.dims, self.strategy, self.mesh
+        run, dims, strategy, mesh, cfg = self.run, self.dims, self.strategy, self.mesh, model_config(self.run)
         transform = functools.partial(parallelize, strategy=strategy, mesh=mesh, dp_mesh=self.dp_mesh,
                                       cp_mesh=self.cp_mesh, ring_log=self.ring_log)  # each stage's attention a ring
-        shapes = functools.partial(stage_examples, model_config(run), strategy, run.global_batch // dims.data,
+        shapes = functools.partial(stage_examples, cfg, strategy, run.global_batch // dims.data,
                                    tp_mesh=mesh["tp"] if dims.tp > 1 else None)  # torch need not infer them
-        self.pipe = pipeline.build_pipeline(model_config(run), strategy.schedule, pp_rank(mesh), dims.pp,
+        self.pipe = pipeline.build_pipeline(cfg, strategy.schedule, pp_rank(mesh), dims.pp,
                                             strategy.stages_per_rank, strategy.microbatches, pp_group(mesh),
                                             self.device, self.loss, model_transform=transform,
                                             stage_layers=strategy.stage_layers, stage_shapes=shapes)
         self.params_module = nn.ModuleList(self.pipe.modules)  # this rank's stages, for the optimizer and norms
         self.optimizer = rank_optimizer(self.params_module, strategy, mesh, run, self.device)
         by_hand = strategy.grad_sync in (GradSync.ALLREDUCE, GradSync.ZERO1) and dims.data > 1  # dp·cp ranks meet
-        cfg = model_config(run)
         self.tied = TiedGrads(self.pipe.modules, pp_group(mesh), self.device) \
             if isinstance(cfg, OwnConfig) and cfg.spec.get("tied") else None
         self.step_fn = PipelineStep(self.pipe, self.params_module, dp_group(mesh) if by_hand else None,
