@@ -12,7 +12,8 @@
   the lab's GPT or Llama takes and gives, so torch need not infer it;
 - ``strategy``: the frozen ``Strategy`` a run config resolves to;
 - ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP;
-- ``meta_shape_propagation``: DTensor's output shapes of a new mesh's ops worked out on meta tensors.
+- ``meta_shape_propagation``: DTensor's output shapes of a new mesh's ops worked out on meta tensors;
+- ``shared_concatenated_meshes``: one (dp, tp) mesh for all of FSDP2's parameters over TP, not one each.
 
 The teaching twin ``kernels.train.data_parallel_naive`` stays outside, a hand-written DDP for the notebooks.
 """

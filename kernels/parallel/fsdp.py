@@ -45,6 +45,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from kernels.contract.layout_rules import reshard_units
+from kernels.parallel.shared_concatenated_meshes import one_mesh_per_pair
 
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,9 +81,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, zero_stage: int = 3, hy
     # Units are blocks: each all-gathers only its own parameters, so at most about
     # one block is whole at a time under ZeRO-3 (plus the root's, gathered for the
     # embeddings at the start of forward and the LM head at the end).
-    for block in model.blocks.values():
-        fully_shard(block, reshard_after_forward=units["blocks"], **options)
-    fully_shard(model, reshard_after_forward=units["root"], **options)
+    with one_mesh_per_pair():  # over TP, each parameter would get a (dp, tp) mesh built for it alone
+        for block in model.blocks.values():
+            fully_shard(block, reshard_after_forward=units["blocks"], **options)
+        fully_shard(model, reshard_after_forward=units["root"], **options)
     if _is_gloo(dp_mesh):
         # Every unit sums its reduce_scatter/all_reduce and divides afterwards (gloo AVG bug).
         for module in model.modules():
