@@ -52,4 +52,3 @@ def one_mesh_per_pair() -> Iterator[None]:
             yield
         finally:
             DeviceMesh._concatenate = torch_concatenate  # type: ignore[method-assign]
-
