@@ -28,6 +28,7 @@ _HOME = {
     "DryRunReport": "lab.planning.dry_run", "dry_run": "lab.planning.dry_run",
     "DeadRankError": "lab.errors", "LabError": "lab.errors", "PoolStoppedError": "lab.errors",
     "PoolBusyError": "lab.errors",
+    "PoolStartError": "lab.pool.start_failure", "PoolStartWarning": "lab.pool.start_failure",
     "RankError": "lab.errors", "RankTimeoutError": "lab.errors",
     "Experiment": "lab.run.experiment", "LayoutWarning": "lab.run.experiment",
     "Parallel": "lab.run.parallel", "ParallelConfigError": "lab.run.parallel",

@@ -28,6 +28,7 @@ import ipyparallel as ipp
 import psutil
 
 from lab.pool import launchers, lifetime
+from lab.pool.start_failure import start_error
 
 KILL_WAIT_S = 10.0  # how long stop waits for killed processes to be gone (torn down by the kernel)
 # The hub completes an engine's registration only at its next heartbeat: at ipyparallel's 3 s period a
@@ -57,6 +58,7 @@ def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60
     ``engine_env`` is added to each engine's environment (e.g. OMP_NUM_THREADS, which
     must be set before the engine's OpenMP runtime starts, as torchrun does).
     ``launcher`` is "local" or "mpi" (one mpiexec for all engines, see ``lab.pool.launchers``).
+    Raises ``PoolStartError`` with what the processes printed when they do not come up.
     """
     profile_dir = tempfile.mkdtemp(prefix="cluster-lab-")  # mkdtemp makes it 0700
     engines, config = launchers.engine_launcher_config(launcher, n, engine_env or {})
@@ -67,10 +69,13 @@ def start_local(n: int, *, controller_ip: str = "127.0.0.1", timeout: float = 60
     try:
         client = cluster.start_and_connect_sync(activate=False)
         client.wait_for_engines(n, timeout=timeout)
-    except BaseException:
+    except BaseException as error:
+        failure = start_error(error, cluster) if isinstance(error, Exception) else None  # read before the rmtree
         source = EngineSource(None, cluster, True, profile_dir, launched_pids(cluster))  # type: ignore[arg-type]
         stop_source(source)
-        raise
+        if failure is None:
+            raise
+        raise failure from error
     restrict_security_files(profile_dir)
     ship_functions_with_globals()
     return EngineSource(client, cluster, True, profile_dir, launched_pids(cluster))

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from kernels.watch.flight_recorder import BUFFER_ENV as FLIGHT_RECORDER_VARIABLE
 from lab.pool import launch, launchers
 from lab.pool.cluster import Cluster, default_rank_count
+from lab.pool.start_failure import PoolStartError, PoolStartWarning
 
 SPARES_VARIABLE = "CLUSTER_LAB_SPARE_ENGINES"  # a shared server's default: docs/teaching.md sets it to 0
 
@@ -41,6 +43,9 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
             step with nothing of the lab's beside it. For ``connect``, set that variable where the
             engines start.
 
+    Engines that die while starting are started once more, with a ``PoolStartWarning`` saying what they
+    printed; a second failure raises ``PoolStartError`` with that output.
+
     Every process started here ends with this one, however it ends: SIGTERM or SIGHUP stop
     the pool as ``stop()`` does, and after a SIGKILL each process notices within seconds
     that its driver is gone (``lab.pool.lifetime``).
@@ -59,8 +64,17 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     engine_env = {"OMP_NUM_THREADS": str(threads)}
     if not flight_recorder:  # c10d reads it once, at the process's first group: it must be there at launch
         engine_env[FLIGHT_RECORDER_VARIABLE] = "0"
-    source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout, engine_env=engine_env,
-                                launcher=launcher)
+    try:
+        source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout, engine_env=engine_env,
+                                    launcher=launcher)
+    except PoolStartError as failure:
+        if not failure.engines_exited:
+            raise
+        # Engines that die while starting have done so on loaded cores for reasons they took with them;
+        # one more start is cheap beside a failed lesson, and the warning keeps what they printed.
+        warnings.warn(f"{failure}\nStarting the pool once more.", PoolStartWarning, stacklevel=2)
+        source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout, engine_env=engine_env,
+                                    launcher=launcher)
     return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
                    timeout=timeout, collective_timeout=collective_timeout, activate=activate,
                    spare_engines=spare_engines)
