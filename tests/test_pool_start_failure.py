@@ -8,11 +8,10 @@ from __future__ import annotations
 import sys
 import warnings
 
-import psutil
 import pytest
 
 import lab
-from lab.pool import lifetime
+from lab.pool import launch, lifetime
 
 CRASH = [sys.executable, "-c", "import sys; print('engine could not start: out of widgets', flush=True); sys.exit(1)"]
 
@@ -40,8 +39,17 @@ def engines_crash_in_the_first(starts: int, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(lifetime, "watch_driver", crashing_engines)
 
 
-def lab_children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def stopped_sources(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
+    """The PIDs of every start the lab cleans up from now on, as it cleans it up."""
+    plain_stop, stopped = launch.stop_source, []
+
+    def recording_stop(source, *args, **kwargs):
+        killed = plain_stop(source, *args, **kwargs)
+        stopped.append(set(source.pids))
+        return killed
+
+    monkeypatch.setattr(launch, "stop_source", recording_stop)
+    return stopped
 
 
 def start(n: int = 2) -> lab.Cluster:
@@ -64,10 +72,10 @@ def test_engines_that_die_while_starting_are_started_once_more_with_a_warning_sa
 
 def test_engines_that_die_at_every_start_raise_with_their_output_and_leave_no_process(monkeypatch):
     engines_crash_in_the_first(2, monkeypatch)
-    before = lab_children()
+    stopped = stopped_sources(monkeypatch)
     with pytest.warns(lab.PoolStartWarning, match="out of widgets"), \
             pytest.raises(lab.PoolStartError, match="(?s)exit_code.*engine 1 printed:\nengine could not start") as info:
         start()
     assert info.value.engines_exited
-    assert not {p for p in lab_children() - before if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+    assert len(stopped) == 2 and all(stopped)  # both starts, each with its controller at least
+    assert not [pid for pids in stopped for pid in pids if launch.is_alive(pid)]
