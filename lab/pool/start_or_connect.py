@@ -1,6 +1,7 @@
 """The two ways to get a pool: start one on this machine, or attach to a running one."""
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -64,17 +65,17 @@ def start(n: int | None = None, backend: str = "auto", threads_per_rank: int | N
     engine_env = {"OMP_NUM_THREADS": str(threads)}
     if not flight_recorder:  # c10d reads it once, at the process's first group: it must be there at launch
         engine_env[FLIGHT_RECORDER_VARIABLE] = "0"
+    start_local = functools.partial(launch.start_local, n, controller_ip=controller_ip, timeout=timeout,
+                                    engine_env=engine_env, launcher=launcher)
     try:
-        source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout, engine_env=engine_env,
-                                    launcher=launcher)
+        source = start_local()
     except PoolStartError as failure:
         if not failure.engines_exited:
             raise
-        # Engines that die while starting have done so on loaded cores for reasons they took with them;
-        # one more start is cheap beside a failed lesson, and the warning keeps what they printed.
+        # Engines have died while starting once in CI, cause unknown; one more start is cheap beside a
+        # failed lesson, and the warning keeps what they printed.
         warnings.warn(f"{failure}\nStarting the pool once more.", PoolStartWarning, stacklevel=2)
-        source = launch.start_local(n, controller_ip=controller_ip, timeout=timeout, engine_env=engine_env,
-                                    launcher=launcher)
+        source = start_local()
     return Cluster(source, backend=backend, share_gpu=share_gpu, threads_per_rank=threads_per_rank,
                    timeout=timeout, collective_timeout=collective_timeout, activate=activate,
                    spare_engines=spare_engines)
