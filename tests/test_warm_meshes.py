@@ -75,3 +75,26 @@ def test_a_held_trainings_mesh_is_never_evicted_under_it(cluster):
     finally:
         cluster.run(_set_capacity, warm_meshes.CPU_CAPACITY)
         cluster.run(warm_meshes.release_all)
+
+
+@pytest.mark.slow
+def test_a_held_training_outlives_the_eviction_of_a_mesh_equal_to_its_own(cluster):
+    # DTensor's cache hands PP2×TP2's tensors the "tp" mesh TP2×DP2 ran on (equal by value); evicting TP2×DP2
+    # must not destroy the group those tensors name (kernels.parallel.shared_mesh_groups).
+    cluster.run(warm_meshes.release_all)
+    cluster.run(_set_capacity, 2)
+    pipeline = lab.Parallel(pp=2, tp=2, microbatches=2)
+    try:
+        _run(cluster, lab.Parallel(tp=2, dp=2, zero=3))
+        with lab.Training(cluster, TINY, pipeline, global_batch=8) as training:
+            training.step(1)
+            _run(cluster, lab.Parallel(dp=4))  # over the capacity: TP2×DP2's mesh is evicted
+            assert not any("dp=2, tp=2, pp=1" in key for kept in cluster.run(warm_meshes.kept_meshes) for key in kept)
+            training.step(1)
+            held_losses = training.losses
+        assert cluster.run(warm_meshes.unkept_group_count) == [1] * 4, "a shared group outlived every mesh using it"
+        reference = _run(cluster, pipeline)
+        assert held_losses == pytest.approx(reference, rel=1e-6)
+    finally:
+        cluster.run(_set_capacity, warm_meshes.CPU_CAPACITY)
+        cluster.run(warm_meshes.release_all)

@@ -13,7 +13,9 @@
 - ``strategy``: the frozen ``Strategy`` a run config resolves to;
 - ``parallelize``: applies them in torchtitan's order, TP -> AC -> compile -> FSDP or DDP;
 - ``meta_shape_propagation``: DTensor's output shapes of a new mesh's ops worked out on meta tensors;
-- ``shared_concatenated_meshes``: one (dp, tp) mesh for all of FSDP2's parameters over TP, not one each.
+- ``shared_concatenated_meshes``: one (dp, tp) mesh for all of FSDP2's parameters over TP, not one each;
+- ``warm_meshes``: the meshes of recent layouts kept with their groups; ``shared_mesh_groups``: kept meshes with
+  an axis in common share its group, so an evicted mesh cannot take a held layout's groups with it.
 
 The teaching twin ``kernels.train.data_parallel_naive`` stays outside, a hand-written DDP for the notebooks.
 """

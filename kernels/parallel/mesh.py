@@ -171,8 +171,9 @@ def dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
-    """Destroy the sub-groups these meshes created; the default (world) group is kept.
+def destroy_mesh_groups(*meshes: DeviceMesh | None, keep: frozenset[str] | set[str] = frozenset()) -> int:
+    """Destroy the sub-groups these meshes created, but the default (world) group and those named in ``keep``
+    (another kept mesh shares them: ``kernels.parallel.shared_mesh_groups``).
 
     A mesh axis that spans every rank may reuse the default group, so that one is
     skipped. Groups are taken from each mesh's *root*: a sub-mesh (``mesh["dp"]``,
@@ -191,7 +192,7 @@ def destroy_mesh_groups(*meshes: DeviceMesh | None) -> int:
     """
     clear_dtensor_caches()
     roots = _roots(meshes)
-    seen = _root_groups(roots)
+    seen = {i: group for i, group in _root_groups(roots).items() if group.group_name not in keep}
     for group in seen.values():
         dist.destroy_process_group(group)
     # A gloo group closes its connections only once freed, and DTensor's other caches keep

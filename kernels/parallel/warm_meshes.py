@@ -8,7 +8,9 @@ the caller gives (the builder and the shape), with their groups alive and DTenso
 full, so a run under a shape run before finds both ready.
 
 Every rank of the process group calls this for every run (mesh creation is collective), so
-every rank keeps and evicts the same meshes in the same order. An evicted mesh's groups are
+every rank keeps and evicts the same meshes in the same order. Kept meshes share the groups of
+axes they have in common (``kernels.parallel.shared_mesh_groups``: DTensor's cache may hand one
+layout's tensors another's equal mesh). An evicted mesh's groups that no kept mesh shares are
 destroyed (``kernels.parallel.mesh.destroy_mesh_groups``), and DTensor's caches with them.
 Leaving the world (a failure, a rebuilt pool) drops them all: they belong to the old world.
 """
@@ -23,12 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.engine.long_lived import thaw
 from kernels.engine.runtime import on_leave_world
+from kernels.parallel import shared_mesh_groups
 from kernels.parallel.mesh import clear_dtensor_caches, destroy_mesh_groups, live_group_count, mesh_sub_groups
 
 CPU_CAPACITY, GPU_CAPACITY = 6, 2  # an NCCL communicator holds device memory: fewer kept on a GPU
 
 _meshes: OrderedDict[Hashable, DeviceMesh] = OrderedDict()
 _users: dict[Hashable, int] = {}  # key -> builds holding the mesh now (a held training's stays in use between calls)
+_axes: dict[Hashable, list[Hashable]] = {}  # key -> the shared axis groups its mesh was built with
 _world: weakref.ref | None = None  # the default group the kept meshes were built in
 
 
@@ -52,7 +56,14 @@ def warm_mesh(key: Hashable, build: Callable[[], DeviceMesh], device_type: str) 
         _world = weakref.ref(world)
     if key not in _meshes:
         _evict(capacity(device_type) - 1)
-        _meshes[key] = build()
+        used: list[Hashable] = []
+        with shared_mesh_groups.sharing_groups(used):
+            try:
+                mesh = build()
+            except BaseException:
+                shared_mesh_groups.release(used)  # a failed collective ends the world, and its groups with it
+                raise
+        _meshes[key], _axes[key] = mesh, used
     _meshes.move_to_end(key)
     _users[key] = _users.get(key, 0) + 1
     return _meshes[key]
@@ -69,7 +80,7 @@ def _evict(keep: int) -> None:
     for key in [k for k in _meshes if not _users.get(k)]:
         if len(_meshes) <= keep:
             return
-        destroy_mesh_groups(_meshes.pop(key))
+        destroy_mesh_groups(_meshes.pop(key), keep=shared_mesh_groups.release(_axes.pop(key, [])))
         _users.pop(key, None)
         thaw()  # the evicted mesh may sit in long-lived cycles: the run's closing collection frees them
 
@@ -90,12 +101,16 @@ def release_all() -> int:
     destroyed = destroy_mesh_groups(*_meshes.values()) if _meshes and dist.is_initialized() else 0
     _meshes.clear()
     _users.clear()
+    _axes.clear()
+    shared_mesh_groups.forget()
     return destroyed
 
 
 def forget() -> None:
     """Drop the kept meshes without touching their groups (the world they lived in is being destroyed)."""
     _users.clear()
+    _axes.clear()
+    shared_mesh_groups.forget()
     if _meshes:
         clear_dtensor_caches()  # they hold the meshes, and the meshes their groups
         _meshes.clear()
