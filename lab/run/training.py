@@ -95,8 +95,7 @@ class Training:
                                                    checkpoint_dir=_absolute(checkpoint_dir),
                                                    checkpoint_every=checkpoint_every,
                                                    checkpoint_async=checkpoint_async))
-        self._open(replace(self.experiment.run_config(), faults=fault_records(self._resume.faults),
-                           poison=poison_records(self._resume.faults)))
+        self._open(self._run_config(1))  # with the layout's world size when it is smaller than the pool
 
     def _setup(self, cluster: Cluster, model: ModelConfig, parallel: Parallel, options: dict[str, Any]) -> None:
         """The driver's side: checked (nothing reaches the ranks when a rule is broken), at step 0."""
