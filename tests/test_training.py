@@ -112,7 +112,6 @@ def test_relayout_keeps_the_weights(cluster):
         assert worst <= (1e-4 if name.endswith("attn.k.bias") else 1e-5), f"{name}: max |diff| {worst:.1e}"
 
 
-
 @pytest.mark.slow
 def test_a_training_opened_on_fewer_ranks_than_the_pool_trains_on_its_first_ranks(cluster):
     # The same rule as a relayout to DP2 above, but from the start: the layout's world size reaches the ranks.
@@ -122,6 +121,7 @@ def test_a_training_opened_on_fewer_ranks_than_the_pool_trains_on_its_first_rank
         last = training.step(2)
         assert [r["strategy"] for r in last.layout[2:]] == ["idle", "idle"]
     assert training.losses == pytest.approx(whole.losses, rel=1e-4)
+
 
 def _moment_placements(key: str) -> list[tuple[str, str, str]]:
     """(name, the parameter's placements, its AdamW first moment's) for each DTensor parameter on this rank."""
