@@ -9,7 +9,8 @@ For PP2×DP2, TP2×DP2 (ZeRO-3), ZeRO-3 DP4 and PP2×TP2 (4 CPU ranks, gloo, 1 t
    ``run(progress=False)``: no collective log, no progress records), then torchrun, so the three
    alternate and share the machine's drift. The lab's overhead is split by source: its watching
    (watched minus unwatched) and the engine process with the driver (unwatched minus torchrun).
-   Goal: ≤ 1.02×.
+   Each round also relaunches torchrun a second time: the median of those against the first is what
+   the same job reads against itself, the resolution of the ratios on this machine. Goal: ≤ 1.02×.
 2. Time from "new Parallel settings" to "first step done": a one-step ``Experiment.run`` on the
    warm pool right after a run under another layout, vs a fresh ``torchrun`` launch of the same
    one-step job, process start to exit; once for a layout the pool ran before (its mesh kept warm,
@@ -80,11 +81,12 @@ def steady(cluster: lab.Cluster, name: str, steps: int, rounds: int) -> dict[str
     unwatched (no collective log, no progress records), and torchrun."""
     exp = lab.Experiment(cluster, MODEL, LAYOUTS[name], global_batch=GLOBAL_BATCH, steps=steps)
     bare = lab.Experiment(cluster, MODEL, LAYOUTS[name], global_batch=GLOBAL_BATCH, steps=steps, watch=False)
-    figures: dict[str, list[float]] = {"lab": [], "bare": [], "torchrun": []}
+    figures: dict[str, list[float]] = {"lab": [], "bare": [], "torchrun": [], "torchrun again": []}
     for _ in range(rounds):
         figures["lab"].append(steady_step(exp.run().step_times))
         figures["bare"].append(steady_step(bare.run(progress=False).step_times))
         figures["torchrun"].append(steady_step(run_torchrun(exp)[1]))
+        figures["torchrun again"].append(steady_step(run_torchrun(exp)[1]))
     return {k: statistics.median(v) for k, v in figures.items()}
 
 
@@ -125,7 +127,8 @@ def main() -> None:
                       f"{f['bare'] * 1e3:.1f} ms ({f['bare'] / f['torchrun']:.3f}x), torchrun "
                       f"{f['torchrun'] * 1e3:.1f} ms (goal <= 1.02x); overhead by source: the lab's watching "
                       f"(collective log, beacon, progress records) {watching * 1e3:+.1f} ms, the engine process "
-                      f"and the driver {engine * 1e3:+.1f} ms (benchmarks/overheads.py splits the watching)")
+                      f"and the driver {engine * 1e3:+.1f} ms (benchmarks/overheads.py splits the watching); torchrun "
+                      f"against itself {f['torchrun again'] / f['torchrun']:.3f}x (this machine's noise at this median)")
         if args.only != "steady":
             print("new settings -> first step done (the pool last ran another layout):")
             for name in LAYOUTS:
