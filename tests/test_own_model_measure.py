@@ -65,7 +65,12 @@ def test_an_hf_llama_under_tp_and_dp_is_measured_beside_its_predictions(cluster)
     (lambda: lab.Model(TokenMLP, tp_plan=PLAN, blocks="layers", seq_len=16), dict(dp=2, tp=2), False),
     (lambda: lab.Model(TokenMLP, tp_plan=PLAN, blocks="layers", seq_len=16), dict(dp=4, zero=3), False),
     (hf_llama, dict(pp=2, tp=2, microbatches=2), True),
-], ids=["gpt2-pp2-dp2-tied", "module-tp2-dp2", "module-zero3", "llama-pp2-tp2"])
+    # Sequence parallelism on a model the user brought cuts the stream only between its blocks.
+    (hf_llama, dict(pp=2, tp=2, microbatches=2, sequence_parallel=True, activation_checkpointing=True), True),
+    (lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+     dict(dp=2, tp=2, sequence_parallel=True), True),
+], ids=["gpt2-pp2-dp2-tied", "module-tp2-dp2", "module-zero3", "llama-pp2-tp2", "llama-pp2-tp2-sp-recompute",
+        "gpt2-tp2-dp2-sp"])
 def test_other_models_and_layouts_are_measured_beside_their_predictions(cluster, make, layout, predicted_axes):
     result = _measured(cluster, make(), layout)
     if layout.get("pp", 1) == 1:

@@ -15,7 +15,9 @@ live (the row-parallel embeddings' gradients must be sharded like their weights)
 PP2×DP2 1F1B, m=2 (one block per stage; stage 0 also holds the embeddings, stage 1
 the final norm and LM head; gradients all-reduced per tensor over dp). Inside a
 pipeline the tp collectives are metered by the same CommDebugMode-based meter and
-match the planner's tp traffic.
+match the planner's tp traffic. TP4 and PP2×TP2 again under sequence parallelism (the
+norms' partial gradients all-reduced, the ends' collectives cut, a stage's s/tp positions
+sent) and under full recompute (torch's checkpoint stops before a block's last all-reduce).
 
 Model states are compared at ``peak_fwd_bwd`` (forward done, backward not started:
 the moment ZeRO-2 holds whole parameters, which the planner's ZeRO-2 term counts)
@@ -64,10 +66,14 @@ LAYOUTS = {
     "zero3": {"dp": 4, "zero": 3},
     "tp4": {"dp": 1, "tp": 4},
     "tp4_loss_parallel": {"dp": 1, "tp": 4, "loss_parallel": True},  # no logits all-gather: 3 small all-reduces
+    "tp4_sp": {"dp": 1, "tp": 4, "sequence_parallel": True},  # the norms' gradients all-reduced; the ends cut
+    "tp4_recompute": {"dp": 1, "tp": 4, "activation_checkpointing": True},  # each block's last all-reduce not rerun
     "tp2_dp2": {"dp": 2, "tp": 2},  # zero 0: FSDP2 replication on dp (resolve_strategy)
     "tp2_dp2_zero3": {"dp": 2, "tp": 2, "zero": 3},
     "pp2_dp2": {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
     "pp2_tp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
+    "pp2_tp2_sp_recompute": {"dp": 1, "tp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2,  # sends of s/tp
+                             "sequence_parallel": True, "activation_checkpointing": True},
 }
 K, ELEM = 8, 4  # fp32 AdamW: exp_avg + exp_avg_sq; fp32 parameters and gradients
 STATES = ("params", "grads", "optimizer")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from lab.measure.host_traffic import hsdp_neighbour
+from lab.measure.host_traffic import hsdp_neighbour, planned_inter
 from lab.planning.plan_math import GB, model_flops_per_token
 from lab.planning.plan_mesh import axis_link
 from lab.planning.plan_ranking import TIME_TOLERANCE, rank_key
@@ -113,3 +113,15 @@ def test_hsdp_rings_run_inside_the_shard_group_and_across_the_replicas():
     assert [hsdp_neighbour(dims, "all_reduce", r) for r in range(4)] == [2, 3, 0, 1]
     replicate_only = {**dims, "dp_replicate": 4}  # shards of one rank: the all-reduce is one dp ring
     assert [hsdp_neighbour(replicate_only, "all_reduce", r) for r in range(4)] == [1, 2, 3, 0]
+
+
+def test_with_context_parallelism_the_data_rings_and_the_cp_ring_name_the_ranks_of_the_run():
+    """TP2×CP2 on 4 ranks: the record's dp is the data axis (dp · cp = 2); the tp pairs are {0, 1} and {2, 3}, the
+    cp ring and the data ring {0, 2} and {1, 3}, as the ranks measured them."""
+    dims = {"dp": 2, "tp": 2, "pp": 1, "dp_replicate": 2, "ep": 1, "cp": 2}
+    assert [hsdp_neighbour(dims, "all_reduce", r) for r in range(4)] == [2, 3, 0, 1]
+    ring_send = {"source": "dist", "op": "send", "group_size": 2}
+    for hosts, crosses in ((["a", "a", "b", "b"], True), (["a", "b", "a", "b"], False)):
+        for rank in range(4):
+            record = {"rank": rank, "dims": dims}
+            assert planned_inter(ring_send, record, 1000.0, {}, hosts) == (1000.0 if crosses else 0.0)

@@ -82,7 +82,8 @@ def planned_stage(record: dict[str, Any], run: RunConfig) -> Any:
     parallel = {"dp": s.dp, "tp": s.tp, "pp": s.pp, "ep": s.ep, "cp": s.cp,
                 "dp_replicate": record["dims"].get("dp_replicate", 1), "zero": int(record["zero"]),
                 "schedule": s.schedule or "1f1b", "microbatches": record.get("microbatches", 1),
-                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel}
+                "sequence_parallel": s.sequence_parallel, "loss_parallel": s.loss_parallel,
+                "activation_checkpointing": s.activation_checkpointing}
     if s.pp > 1:
         parallel["stages_per_rank"] = s.stages_per_rank
     p = plan(model, gpus=s.world, parallel=parallel, global_batch=run.global_batch,

@@ -11,8 +11,9 @@ receiving rank is on another host, *intra-host* otherwise.
 - planned: the groups of the (pp, dp, tp) mesh in the run's rank order
   (``lab.planning.plan_mesh.axis_groups``) and the planner's
   payloads (``lab.measure.comm_prediction.predicted_comm``), with pipeline sends split into the
-  forward ones (to the next stage) and backward ones (to the one before), on the same
-  rank → host map (``planned_inter``). Under HSDP the data axis is two sets of rings
+  forward ones (to the next stage) and backward ones (to the one before), and context parallelism's
+  ring sends to the next rank of the ring, on the same rank → host map (``planned_inter``).
+  Under HSDP the data axis is two sets of rings
   (``lab.planning.plan_mesh.hybrid_groups``): FSDP's all-gathers and reduce-scatters run in
   the shard groups (dp_shard consecutive data ranks), the all-reduce of each reduced shard in the
   replicate groups (the ranks holding the same shard) — with shard groups inside a host, only
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 
 from kernels.contract.layout_rules import MESH_AXES
 from lab.planning.plan_math import busbw_factor
-from lab.planning.plan_mesh import Layout, axis_groups, hybrid_groups
+from lab.planning.plan_mesh import Layout, axis_groups, hybrid_groups, layout_groups
 
 P2P = ("send", "recv")
 
@@ -63,6 +64,9 @@ def planned_inter(row: dict[str, Any], record: dict[str, Any], predicted: float 
     rank, dims = record["rank"], record["dims"]
     if predicted is None or row["op"] == "recv":
         return None
+    if row["op"] == "send" and row["source"] != "pipeline":  # context parallelism's ring: to the next rank of it
+        ahead = _cp_next(dims, rank, order)
+        return predicted * (hosts[ahead] != hosts[rank])
     if row["op"] == "send":
         ahead, back = neighbour(dims, "pp", rank, 1, order), neighbour(dims, "pp", rank, -1, order)
         return (pp_sends.get("fwd", 0.0) * (hosts[ahead] != hosts[rank])
@@ -76,10 +80,18 @@ def planned_inter(row: dict[str, Any], record: dict[str, Any], predicted: float 
     return predicted * wire_factor(row["op"], row["group_size"]) * (hosts[ahead] != hosts[rank])
 
 
+def _cp_next(dims: dict[str, int], rank: int, order: Sequence[str]) -> int:
+    cp = dims.get("cp", 1)  # the record's dp is the data axis, dp · cp ranks
+    lay = Layout(dp=dims["dp"] // cp, tp=dims["tp"], pp=dims["pp"], cp=cp, mesh_order=tuple(order))
+    ring = next(g for g in layout_groups(lay, "cp") if rank in g)
+    return ring[(ring.index(rank) + 1) % len(ring)]
+
+
 def hsdp_neighbour(dims: dict[str, int], op: str, rank: int, order: Sequence[str] = MESH_AXES) -> int:
     """The next rank of ``rank``'s HSDP ring for ``op``: its replicate group for the all-reduce, its shard group for
     FSDP's all-gathers and reduce-scatters (module docstring)."""
-    lay = Layout(dp=dims["dp"], tp=dims["tp"], pp=dims["pp"], cp=dims.get("cp", 1), fsdp_strategy="hybrid",
+    cp = dims.get("cp", 1)  # the record's dp is the data axis, dp · cp ranks
+    lay = Layout(dp=dims["dp"] // cp, tp=dims["tp"], pp=dims["pp"], cp=cp, fsdp_strategy="hybrid",
                  dp_replicate=dims["dp_replicate"], mesh_order=tuple(order))
     shard, replicate = hybrid_groups(lay)
     group = next(g for g in (replicate if op == "all_reduce" else shard) if rank in g)

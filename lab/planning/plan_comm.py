@@ -20,13 +20,11 @@ What is counted, per iteration with M micro-batches per dp rank:
 - FSDP hybrid: ZeRO-2/3 inside each of the dp_replicate shard groups of dp_shard ranks,
   plus an all-reduce of the gradient shard across the groups after each reduce-scatter.
 - tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP
-  out) and two backward (their conjugates), two more forward under recomputation;
-  with sequence parallelism each all-reduce becomes an all-gather plus a
-  reduce-scatter of the same total.
+  out) and two backward (their conjugates); under full recompute one more per block (torch's
+  checkpoint stops before the block's last, which backward does not need).
   A per-projection plan (an HF model's, ``ModelSpec.one_tp_input=False``) wraps each
   column-parallel Linear's input itself, so it all-reduces the attention input's gradient
-  once per projection: 4 backward all-reduces per block instead of 2 (not under SP, where
-  one all-gather feeds all three and its reduce-scatter comes once); separate gate and up
+  once per projection: 4 backward all-reduces per block instead of 2; separate gate and up
   projections of a gated MLP (Llama's) add one more. The lab's models enter each half once.
 - tp axis outside the blocks, for a model whose plan splits its ends (``Work.embed``/``Work.head``:
   the lab's GPT and Llama, HF Llama): the row-parallel token and position embeddings all-reduce their
@@ -35,8 +33,13 @@ What is counted, per iteration with M micro-batches per dp rank:
   loss_parallel the logits stay sharded on the vocab: torch's sharded cross-entropy
   all-reduces three b·s tensors forward instead (the row max, the sum of exponentials
   and the target logit), and its backward is local.
-  Under SP the embedding all-reduces become reduce-scatters and the head's input is
-  all-gathered forward, reduce-scattered backward.
+- tp axis under sequence parallelism (s/tp positions between the TP regions): each half's all-reduce
+  becomes an all-gather of its input and a reduce-scatter of its output (backward: their conjugates);
+  the norms' replicated weights and biases get partial gradients, one all-reduce each per micro-batch.
+  Megatron's SP (the lab's models) also cuts the ends' traffic and the final norm; a model the user
+  brought (``Work.sp_between_blocks``) runs its ends and final norm whole, all-reduces each TP input's
+  gradient as without SP, and cuts the stream after the first block's input (all-gather backward) and
+  gathers it after the last block (forward). docs/design.md#communication-volume has the details.
 - ep axis (experts split over ep ranks, docs/design.md#experts-and-context-parallelism): per MoE layer and
   micro-batch two all-to-alls forward (dispatch, combine) and two backward, of the rank's dispatched
   token copies (tokens·top_k·hidden), two more under full recompute; ep_replicate: one all-reduce of
@@ -48,7 +51,7 @@ What is counted, per iteration with M micro-batches per dp rank:
 - A MoE block under TP all-reduces only its attention's output forward (and the q/k/v input gradient
   backward): the experts are whole on every tp rank.
 - pp axis: per micro-batch and virtual stage, one activation send forward and one
-  gradient send backward. A middle stage does both; the first and last do one. With
+  gradient send backward (of s/tp positions under SP). A middle stage does both; the first and last do one. With
   ``Work.stage_ids`` (one pipeline rank's stages) the sends are that rank's own: a
   forward send for each stage whose successor is on another rank, a backward send for
   each stage whose predecessor is (the V schedules keep the turn on one rank).
@@ -111,6 +114,10 @@ class Work:
     experts: int = 0  # routed experts per MoE layer (the router's width)
     dispatched: float = 0.0  # token copies one MoE layer routes per micro-batch (plan_moe.dispatched_tokens)
     kv_dim: int | None = None  # kv_heads · head_dim: the width of k and of v, which the CP ring passes
+    first_stage: bool = True  # holds the pipeline's first stage (its first block), or there is no pipeline
+    last_stage: bool = True  # holds the last stage (the last block, the final norm)
+    norm_bias: bool = False  # each norm has a bias beside its weight (LayerNorm with biases: GPT)
+    sp_between_blocks: bool = False  # ModelSpec.sp_between_blocks: SP cuts the stream only inside the blocks
 
 
 def sharded_psi(lay: Layout, w: Work) -> float:
@@ -164,35 +171,59 @@ def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
         return []
     link = axis_link(lay, "tp", gpus_per_node)
     payload = tp_allreduce_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
-    dense = w.layers_on_rank - w.moe_layers  # a MoE block's experts are whole on every tp rank: no MLP collective
-    bwd = dense + w.layers_on_rank if lay.sequence_parallel \
-        else dense * w.mlp_allreduces + w.layers_on_rank * w.qkv_allreduces
-    per_rank = {"fwd": dense + w.layers_on_rank, "bwd": bwd, "recompute": dense + w.layers_on_rank}
-    out = []
+    halves = 2 * w.layers_on_rank - w.moe_layers  # a MoE block's experts are whole on every tp rank: no MLP collective
+    input_grads = (w.layers_on_rank - w.moe_layers) * w.mlp_allreduces + w.layers_on_rank * w.qkv_allreduces
+    m, n, sp, out = w.microbatches, lay.tp, lay.sequence_parallel, []
+    # Recomputing a block, torch's checkpoint stops once backward has what it saved: the block's last output
+    # collective (its MLP's, or a MoE block's attention's, which the experts need) is not run again.
+    outputs = {"fwd": halves, "recompute": w.layers_on_rank}
     for phase in _phases(lay):
-        count = per_rank[phase] * w.microbatches
-        if count == 0:
+        if not halves:
             continue
-        if lay.sequence_parallel:
-            out.append(entry("tp", "all_gather", phase, link, lay.tp, count, payload))
-            out.append(entry("tp", "reduce_scatter", phase, link, lay.tp, count, payload))
+        if not sp:
+            out.append(entry("tp", "all_reduce", phase, link, n, outputs.get(phase, input_grads) * m, payload))
+            continue
+        out.append(entry("tp", "all_gather", phase, link, n, halves * m, payload))
+        if phase == "bwd" and w.sp_between_blocks:
+            out.append(entry("tp", "all_reduce", phase, link, n, input_grads * m, payload))
         else:
-            out.append(entry("tp", "all_reduce", phase, link, lay.tp, count, payload))
+            out.append(entry("tp", "reduce_scatter", phase, link, n, outputs.get(phase, halves) * m, payload))
+    if sp:
+        out += _sp_stream_entries(w, link, n, payload)
     return out + _tp_outer_entries(lay, w, link, payload)
+
+
+def _sp_stream_entries(w: Work, link: str, n: int, payload: float) -> list[CommEntry]:
+    """Under SP, the norms' partial gradients and, for a model the user brought, the stream's cut and gather."""
+    m, out = w.microbatches, []
+    norms = 2 * w.layers_on_rank + (w.last_stage and not w.sp_between_blocks)  # the final norm, when it is cut
+    if norms:
+        out.append(entry("tp", "all_reduce", "bwd", link, n, norms * (1 + w.norm_bias) * m, w.hidden * w.elem_bytes))
+    if w.sp_between_blocks and w.layers_on_rank:
+        if w.first_stage:  # the first block's input cut from the whole stream: its gradient gathered
+            out.append(entry("tp", "all_gather", "bwd", link, n, m, payload))
+        if w.last_stage:  # the last block's output gathered whole for the final norm
+            out.append(entry("tp", "all_gather", "fwd", link, n, m, payload))
+    return out
 
 
 def _tp_outer_entries(lay: Layout, w: Work, link: str, payload: float) -> list[CommEntry]:
     """The row-parallel embeddings' outputs and the column-parallel head's input and logits."""
     m, n, out = w.microbatches, lay.tp, []
-    reduce = "reduce_scatter" if lay.sequence_parallel else "all_reduce"
-    if w.embed:
-        out.append(entry("tp", reduce, "fwd", link, n, m, payload))  # token embedding (b, s, h)
-        if w.learned_pos:
-            out.append(entry("tp", reduce, "fwd", link, n, m, payload / w.micro_batch))  # positions (s, h)
+    cut = lay.sequence_parallel and not w.sp_between_blocks  # Megatron's SP: the ends meet a cut stream
+    if w.embed:  # the token embedding (b, s, h), then the positions (s, h)
+        for size in (payload, payload / w.micro_batch) if w.learned_pos else (payload,):
+            if cut:
+                out += [entry("tp", "reduce_scatter", "fwd", link, n, m, size),
+                        entry("tp", "all_gather", "bwd", link, n, m, size)]
+            else:
+                out.append(entry("tp", "all_reduce", "fwd", link, n, m, size))
     if w.head and w.vocab is not None:
-        if lay.sequence_parallel:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
-            out.append(entry("tp", "all_gather", "fwd", link, n, m, payload))
-        out.append(entry("tp", reduce, "bwd", link, n, m, payload))  # input gradient (b, s, h)
+        if cut:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
+            out += [entry("tp", "all_gather", "fwd", link, n, m, payload),
+                    entry("tp", "reduce_scatter", "bwd", link, n, m, payload)]
+        else:
+            out.append(entry("tp", "all_reduce", "bwd", link, n, m, payload))  # input gradient (b, s, h)
         if lay.loss_parallel:  # max, sum of exp and target logit, each (b, s)
             out.append(entry("tp", "all_reduce", "fwd", link, n, 3 * m, payload / w.hidden))
         else:
@@ -207,7 +238,8 @@ def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     if lay.pp == 1 or w.hidden is None:
         return []
     link = axis_link(lay, "pp", gpus_per_node)
-    payload = pp_p2p_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes)
+    # Under SP a stage hands over its s/tp positions of the stream, cut as it is.
+    payload = pp_p2p_bytes(w.micro_batch, w.seq_len, w.hidden, w.elem_bytes) / (lay.tp if lay.sequence_parallel else 1)
     fwd = bwd = w.microbatches * lay.stages_per_rank
     if w.stage_ids:
         mine, last = set(w.stage_ids), w.num_stages - 1

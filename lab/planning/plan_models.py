@@ -61,6 +61,10 @@ class ModelSpec:
     # The TP plan splits the token embedding by rows and the head by columns (the lab's GPT and Llama, and
     # the HF decoders whose plans say so), so their collectives are counted (plan_comm._tp_outer_entries).
     sharded_ends: bool = False
+    # Sequence parallelism cuts the stream only between the first and the last block (how the lab runs a model
+    # the user brought, kernels.model.own_sequence_parallel): the ends and the final norm run whole, and each TP
+    # input's gradient is all-reduced as without SP. False: Megatron's SP, which the lab's own models run.
+    sp_between_blocks: bool = False
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2), where ``bias`` is off
     head_dim: int | None = None  # per-head width; None means hidden / heads (Qwen3 sets 128 with hidden 2048)
     qk_norm: bool = False  # an RMSNorm on each head's q and k (Qwen3): 2·head_dim weights per layer

@@ -118,7 +118,7 @@ def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k:
         w = dataclasses.replace(base, psi_local=held.dense, layers_on_rank=held.layers, stage_ids=ids,
                                 num_stages=n_stages, embed=spec.sharded_ends and 0 in ids,
                                 head=spec.sharded_ends and n_stages - 1 in ids, expert_psi=held.experts,
-                                moe_layers=held.moe_layers)
+                                moe_layers=held.moe_layers, first_stage=0 in ids, last_stage=n_stages - 1 in ids)
         mem = stage_memory(lay, w, k, gpu_mem_gb, activations_gb, stage=r)
         out.append(StagePlan(r, ids, held.layers, held.dense + held.experts, mem, all_entries(lay, w, gpus_per_node),
                              held.experts, held.moe_layers))
