@@ -49,6 +49,19 @@ def test_async_checkpoints_are_complete_when_step_returns(cluster, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallel", [lab.Parallel(dp=4), lab.Parallel(dp=2, tp=2, zero=3)], ids=["ddp", "tp2-dp2-zero3"])
+def test_a_save_before_the_first_step_changes_neither_the_run_nor_its_resumption(cluster, tmp_path, parallel):
+    """torch steps a fresh AdamW at lr 0 to describe it; the lab sets the step count back, so nothing shifts."""
+    model = lab.GPT(**TINY)
+    whole = lab.Experiment(cluster, model, parallel, steps=3).run(progress=False)
+    with lab.Training(cluster, model, parallel) as training:
+        saved = training.save(tmp_path)
+        assert training.step(3).losses == whole.losses
+    with lab.Training.load(cluster, saved) as loaded:
+        assert loaded.steps_done == 0 and loaded.step(3).losses == whole.losses
+
+
+@pytest.mark.slow
 def test_a_loaded_sgd_run_goes_on_with_sgd(cluster, tmp_path):
     """The saved run's optimizer is the loaded one's: an SGD checkpoint does not come back as AdamW."""
     model = lab.GPT(**TINY)

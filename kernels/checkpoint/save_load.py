@@ -52,6 +52,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from kernels.checkpoint import fresh_optimizer
 from kernels.checkpoint.files import (META_NAME, PARTIAL_SUFFIX, CheckpointMissingError, check_against, storage_reader,
                                      tensor_shapes)
 from kernels.checkpoint.strided_shards import described, placed_like
@@ -91,7 +92,10 @@ def logical_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is None:
         model_sd, optim_sd = get_state_dict(model, [], options=_OPTIONS)
     else:
+        fresh = fresh_optimizer.is_fresh(local_optimizer(optimizer))
         model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer), options=_OPTIONS)
+        if fresh:  # torch stepped it at lr 0 to make its state: the count goes back to 0
+            fresh_optimizer.restart_step_counts(local_optimizer(optimizer), optim_sd)
     back = {_strip(k, stages): k for k in [*model_sd, *optim_sd]}
     return ({_strip(k, stages): v for k, v in model_sd.items()}, {_strip(k, stages): v for k, v in optim_sd.items()},
             back)

@@ -119,8 +119,7 @@ class AutoResume:
     def _start_point(self, training: "Training", root: Path) -> None:
         """Make sure the state the call starts from can be had again: known, saved now, or (at step 0) built afresh.
 
-        A new training at step 0 is not saved: DCP's ``get_state_dict`` initialises an optimizer without
-        state by an optimizer step (zero gradients, lr 0), and AdamW's step count would then run one ahead.
+        A new training at step 0 is not saved: its seed builds the same state again, with no write.
         """
         first = training.steps_done
         if self.point is not None and self.point[0] == first and (self.point[1] is None or is_complete(self.point[1])):
