@@ -51,6 +51,21 @@ def test_other_models_and_layouts_measure_beside_their_plans(cluster, model, par
     _assert_as_planned(planned.measured)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [
+    lambda t: t.GPT2Config(vocab_size=50257, n_embd=768, n_layer=12, n_head=12),  # a tied head: a copy on the last
+    lambda t: t.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+], ids=["gpt2", "llama-3.2-1b-tied"])
+def test_a_pipeline_gives_the_embeddings_to_its_first_stage_and_the_head_to_its_last(cluster, make):
+    """Without TP every stage's parameters and gradients are exact: the ends are not spread over the blocks."""
+    transformers = pytest.importorskip("transformers")
+    check = lab.plan(make(transformers), gpus=16, parallel=dict(pp=4), global_batch=64, measure_on=cluster).measured
+    rows = [r for r in check.rows if r.what.endswith(("params", "grads"))]
+    assert len(rows) == 8 and all(r.ratio == pytest.approx(1.0, abs=1e-9) for r in rows), check.table_rows()
+    _assert_as_planned(check)
+
+
 def test_a_layout_the_pool_cannot_hold_is_refused_before_anything_runs(cluster):
     with pytest.raises(lab.ParallelConfigError) as info:
         lab.plan("llama3-8b", gpus=64, parallel=dict(tp=8), global_batch=64, measure_on=cluster)

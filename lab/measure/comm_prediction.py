@@ -65,7 +65,7 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
         if record.get("hybrid") and 1 < n < record["dims"]["dp"]:  # HSDP: each reduced shard summed over replicas
             out["all_reduce"] = out.get("all_reduce", 0.0) + out["reduce_scatter"] / n
     for e in stage.comm if stage is not None else []:
-        if e.axis in ("tp", "pp", "ep", "cp"):
+        if e.axis in ("tp", "pp", "ep", "cp") and (e.axis != "pp" or e.op == "p2p"):  # tied_bytes above: the rest
             # pp's stage sends, cp's ring sends and receives (each send has its receive), ep's all-to-alls
             keys = {"pp": ["send"], "cp": ["cp_send", "cp_recv"], "ep": [e.op]}.get(e.axis, [f"tp_{e.op}"])
             for key in keys:
@@ -117,7 +117,7 @@ def _pp_sends(stage: Any) -> dict[str, float]:
     """The planner's stage-boundary send payloads of this rank by phase ("fwd", "bwd")."""
     out: dict[str, float] = {}
     for e in stage.comm if stage is not None else []:
-        if e.axis == "pp":
+        if e.axis == "pp" and e.op == "p2p":
             out[e.phase] = out.get(e.phase, 0.0) + e.total_payload
     return out
 

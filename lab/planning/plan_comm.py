@@ -12,11 +12,9 @@ What is counted, per iteration with M micro-batches per dp rank:
   all-reduce after accumulation.
 - ZeRO-1: one gradient reduce-scatter, one all-gather of the updated parameters
   (the ZeRO paper's 2Ψ; torch's ZeroRedundancyOptimizer all-reduces instead, 3Ψ).
-- ZeRO-2 / FSDP grad_op: a parameter all-gather per micro-batch forward, and a
-  gradient reduce-scatter per micro-batch, which keeps gradients sharded (the extra
-  reduce-scatters are why ZeRO-2 and PP mix badly, Hugging Face's multi-GPU guide, "ZeRO DP+PP+TP").
-- ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward
-  (docs/design.md#communication-volume: all-gather twice plus reduce-scatter once).
+- ZeRO-2 / FSDP grad_op: a parameter all-gather and a gradient reduce-scatter per micro-batch, which
+  keeps gradients sharded (why ZeRO-2 and PP mix badly, Hugging Face's multi-GPU guide, "ZeRO DP+PP+TP").
+- ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward.
 - FSDP hybrid: ZeRO-2/3 inside each of the dp_replicate shard groups of dp_shard ranks,
   plus an all-reduce of the gradient shard across the groups after each reduce-scatter.
 - tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP
@@ -28,11 +26,9 @@ What is counted, per iteration with M micro-batches per dp rank:
   projections of a gated MLP (Llama's) add one more. The lab's models enter each half once.
 - tp axis outside the blocks, for a model whose plan splits its ends (``Work.embed``/``Work.head``:
   the lab's GPT and Llama, HF Llama): the row-parallel token and position embeddings all-reduce their
-  outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input
-  gradient b·s·h backward and all-gathers the logits b·s·V forward. Under
-  loss_parallel the logits stay sharded on the vocab: torch's sharded cross-entropy
-  all-reduces three b·s tensors forward instead (the row max, the sum of exponentials
-  and the target logit), and its backward is local.
+  outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input gradient b·s·h
+  backward and all-gathers the logits b·s·V forward. Under loss_parallel the logits stay sharded:
+  three b·s all-reduces forward instead (row max, sum of exponentials, target logit), none backward.
 - tp axis under sequence parallelism (s/tp positions between the TP regions): each half's all-reduce
   becomes an all-gather of its input and a reduce-scatter of its output (backward: their conjugates);
   the norms' replicated weights and biases get partial gradients, one all-reduce each per micro-batch.
@@ -51,7 +47,8 @@ What is counted, per iteration with M micro-batches per dp rank:
 - A MoE block under TP all-reduces only its attention's output forward (and the q/k/v input gradient
   backward): the experts are whole on every tp rank.
 - pp axis: per micro-batch and virtual stage, one activation send forward and one
-  gradient send backward (of s/tp positions under SP). A middle stage does both; the first and last do one. With
+  gradient send backward (of s/tp positions under SP). A middle stage does both; the first and last do one;
+  a head tied to the embedding adds one all-reduce of the table's gradient over the pp ranks per step. With
   ``Work.stage_ids`` (one pipeline rank's stages) the sends are that rank's own: a
   forward send for each stage whose successor is on another rank, a backward send for
   each stage whose predecessor is (the V schedules keep the turn on one rank).
@@ -118,6 +115,7 @@ class Work:
     last_stage: bool = True  # holds the last stage (the last block, the final norm)
     norm_bias: bool = False  # each norm has a bias beside its weight (LayerNorm with biases: GPT)
     sp_between_blocks: bool = False  # ModelSpec.sp_between_blocks: SP cuts the stream only inside the blocks
+    tied_table: float = 0.0  # elements of a head tied to the embedding, on this rank (a pipeline sums its 2 copies)
 
 
 def sharded_psi(lay: Layout, w: Work) -> float:
@@ -250,6 +248,8 @@ def pp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
         out.append(entry("pp", "p2p", "fwd", link, lay.pp, fwd, payload))
     if bwd:
         out.append(entry("pp", "p2p", "bwd", link, lay.pp, bwd, payload))
+    if w.tied_table:  # the first and last stages' copies of a tied table: their gradients summed, every pp rank
+        out.append(entry("pp", "all_reduce", "step", link, lay.pp, 1, w.tied_table * w.elem_bytes))
     return out
 
 

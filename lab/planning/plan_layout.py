@@ -169,7 +169,15 @@ def _base_work(spec: ModelSpec, lay: Layout, dtype: str, mb: int, m: int, seq: i
                 qkv_allreduces=1 if spec.one_tp_input else 3,
                 mlp_allreduces=2 if spec.gated_mlp and not spec.one_tp_input else 1, learned_pos=spec.learned_pos,
                 dispatched=routed, experts=spec.experts, kv_dim=kv_dim, norm_bias=spec.bias,
-                sp_between_blocks=spec.sp_between_blocks)
+                sp_between_blocks=spec.sp_between_blocks, tied_table=_tied_table(spec, lay))
+
+
+def _tied_table(spec: ModelSpec, lay: Layout) -> float:
+    """A pipeline rank's elements of a head tied to the embedding (0 when untied or without a pipeline): the table,
+    split by vocabulary rows where the TP plan splits the ends."""
+    if not spec.tied_embeddings or lay.pp == 1 or spec.vocab is None or spec.hidden is None:
+        return 0.0
+    return spec.vocab * spec.hidden / (lay.tp if spec.sharded_ends else 1)
 
 
 def _model_problems(spec: ModelSpec, lay: Layout, seq: int) -> list[tuple[str, str]]:

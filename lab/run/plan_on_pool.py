@@ -127,7 +127,8 @@ def _comm_rows(predicted: Plan, result: Any) -> list[CheckRow]:
     """Per axis and collective: rank 0's payload bytes per step beside its stage's planned entries."""
     planned: dict[tuple[str, str], float] = defaultdict(float)
     for entry in predicted.stages[0].comm:
-        planned[(_SOURCE[entry.axis], "send" if entry.op == "p2p" else entry.op)] += entry.total_payload
+        source = "dist" if entry.axis == "pp" and entry.op != "p2p" else _SOURCE[entry.axis]  # a tied head's sum
+        planned[(source, "send" if entry.op == "p2p" else entry.op)] += entry.total_payload
     measured: dict[tuple[str, str], float] = defaultdict(float)
     for row in result.comm_records:
         if row["rank"] == 0:
