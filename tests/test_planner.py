@@ -118,8 +118,10 @@ def test_plan_counts_megatrons_four_tp_allreduces_per_layer_each_the_guides_size
 def test_tp_shards_parameters_and_gradients_to_17_5gb():
     # The Turing Inc. guide, TP memory estimate: Llama 3 70B at TP=8: Parameters 140GB / 8 = 17.5GB,
     # Gradients 17.5GB.
+    # The guide divides every weight by 8; the norms (161 of 8,192: 1.3M parameters) stay whole on every
+    # rank, 2.3 MB more in bf16.
     p = plan(LLAMA70, gpus=8, parallel={"tp": 8}, optimizer="adam_bf16")
-    assert (p.memory.params, p.memory.grads) == (17.5e9, 17.5e9)
+    assert p.memory.params == p.memory.grads == pytest.approx(17.5e9 + 2.3e6, abs=0.05e6)
 
 
 def test_tp_size_rule_gives_4_67_rounded_up_to_8():

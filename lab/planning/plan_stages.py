@@ -4,8 +4,8 @@
 places on it, the blocks ``layer_split`` gives those stages (equal, or the layout's ``stage_layers``), its Ψ
 after TP (and its experts after EP), its memory and its exact traffic (``lab.planning.plan_comm``).
 ``lab.planning.stage_balance`` proposes the ``stage_layers`` that balance the stages' cost. A preset splits
-its dense Ψ over its blocks and, under a pipeline, gives its embeddings to the first stage and its final norm
-and head (a tied one as its own copy) to the last, all divided by tp; its experts go by the MoE layers each
+its parts (``lab.planning.plan_shape_params``): what TP splits divided by tp, what it replicates whole, the
+embeddings on the first stage and the final norm and head on the last; its experts go by the MoE layers each
 stage holds. The lab's GPT (``lab.planning.plan_tensors.gpt_tensors``) is counted tensor by tensor: TP splits
 what ``kernels.parallel.tensor_parallel`` splits (tp rank 0's chunk, the largest) and replicates the norms
 and row-parallel biases, and PP gives the embeddings to the first stage, the final norm and LM head to the last.
@@ -31,6 +31,7 @@ from lab.planning.plan_math import (ACTIVATION_FACTOR, GB, SELECTIVE_FACTOR, act
 from lab.planning.plan_mesh import Layout
 from lab.planning.plan_models import ModelSpec
 from lab.planning.plan_moe import moe_layer_ids, routed_params_in
+from lab.planning.plan_shape_params import held_dense
 from lab.planning.plan_tensors import gpt_tensors
 
 
@@ -87,9 +88,10 @@ class StageParams:
 def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> StageParams:
     """The parameters of the pipeline rank holding stages ``ids``.
 
-    A per-tensor model sums its tensors' tp-rank-0 chunks (experts: E/ep of each packed tensor); any
-    other model takes its blocks' share of the dense Ψ, divided by tp (140 GB of weights are 17.5 GB per
-    rank under TP8), and the routed experts of its MoE layers divided by ep.
+    A per-tensor model sums its tensors' tp-rank-0 chunks (experts: E/ep of each packed tensor); a model with a
+    shape sums its parts (``plan_shape_params.held_dense``); a count-only one takes its blocks' share of the dense
+    Ψ, divided by tp (140 GB of weights are 17.5 GB per rank under TP8); the routed experts of its MoE layers
+    are divided by ep.
     """
     n_stages = lay.num_stages
     if spec.layers is None:
@@ -97,33 +99,14 @@ def stage_params(spec: ModelSpec, lay: Layout, ids: tuple[int, ...]) -> StagePar
     blocks = {b for s in ids for b in layer_split(spec.layers, n_stages, s, lay.stage_layers)}
     moe_layers = len(blocks & set(moe_layer_ids(spec)))
     if not spec.per_tensor:
-        dense = spec.params - routed_params_in(spec, set(range(spec.layers)))
-        ends = _ends(spec) if n_stages > 1 else None
-        if ends is None:  # no pipeline, or no shape to tell the ends from the blocks: an even share
-            return StageParams(dense * len(blocks) / spec.layers / lay.tp, routed_params_in(spec, blocks) / lay.ep,
-                               len(blocks), moe_layers)
-        first, last, tied = ends  # the first stage holds the embeddings; the last the final norm and the head
-        blocks_dense = (dense - first - last + tied) / spec.layers  # a tied head is in the count once, as the table
-        held = blocks_dense * len(blocks) + first * (0 in ids) + last * (n_stages - 1 in ids)
-        held -= tied * (0 in ids and n_stages - 1 in ids)  # one rank holding both ends holds the tied table once
-        return StageParams(held / lay.tp, routed_params_in(spec, blocks) / lay.ep, len(blocks), moe_layers)
+        held = held_dense(spec, lay.tp, blocks, 0 in ids, n_stages - 1 in ids)
+        if held is None:  # no shape to tell the parts apart: the blocks' share of the dense count
+            held = (spec.params - routed_params_in(spec, set(range(spec.layers)))) * len(blocks) / spec.layers / lay.tp
+        return StageParams(held, routed_params_in(spec, blocks) / lay.ep, len(blocks), moe_layers)
     mine = {"embed": 0 in ids, "head": n_stages - 1 in ids}
     held = [t for t in gpt_tensors(spec) if (t.block in blocks if t.owner == "block" else mine[t.owner])]
     dense = sum(t.tp_numel(lay.tp) for t in held if not t.expert)
     return StageParams(float(dense), sum(t.numel for t in held if t.expert) / lay.ep, len(blocks), moe_layers)
-
-
-def _ends(spec: ModelSpec) -> tuple[float, float, float] | None:
-    """(first stage's embeddings, last stage's final norm and head, the tied table held twice), scaled like the
-    model's count (a preset's round figure); None for a model without a shape."""
-    count = spec.shape_params
-    if count is None:
-        return None
-    h, scale = spec.hidden, spec.params / count
-    embed = spec.vocab * h + (spec.seq_len * h if spec.learned_pos else 0)
-    table = spec.vocab * h  # a tied head is the embedding's table, kept as a copy on the last stage
-    last = (2 if spec.bias else 1) * h + table
-    return embed * scale, last * scale, (table if spec.tied_embeddings else 0) * scale
 
 
 def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k: float, gpu_mem_gb: float,
