@@ -25,7 +25,7 @@ CASES = {
     "PP2×TP2 ZBV": {"pp": 2, "tp": 2, "schedule": "zbv", "stages_per_rank": 2},
     "PP2×DP2 interleaved": {"pp": 2, "dp": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2},
 }
-FAST = ("PP2×TP2 sequence parallel, Llama",)  # a DTensor out of the last stage, a cut stream between; the rest slow
+FAST = ()  # 10 s for the cheapest case, a pool of its own: every case is slow (CI runs them all)
 
 
 def shapes_against_torch(case: dict) -> dict:
