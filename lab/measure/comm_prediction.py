@@ -2,10 +2,12 @@
 
 Communication volume (docs/design.md#communication-volume), as payload bytes per step: DDP all-reduce = the
 gradient bytes (DDP all-reduces flat buckets of all gradients); ZeRO-1 adds one broadcast of every
-parameter from its owner (with TP or PP, one all-gather of every local shard's padded slices instead); FSDP all-gathers the padded parameters once in forward and again in backward
-for every unit that resharded after forward (all of them under ZeRO-3, or as ``reshard_after_forward``
-says per unit), and reduce-scatters the padded gradients once (HSDP then all-reduces each reduced shard over
-the replicas); a head tied to the embedding under a
+parameter from its owner (with TP or PP, one all-gather of every local shard's padded slices instead); FSDP
+all-gathers the padded parameters (in bf16 under its bf16 policy) once in forward and again in backward for
+every unit that resharded after forward (all of them under ZeRO-3, or as ``reshard_after_forward`` says per
+unit), per micro-batch, or 1 + M times in all inside a pipeline stage, and reduce-scatters the padded
+gradients once per step (HSDP then all-reduces each reduced shard over the replicas); a head tied to the
+embedding under a
 pipeline adds one all-reduce of its gradient over the pipeline group. TP and PP traffic come from the
 planner's exact per-stage account (``lab.plan(...).stages[pp_rank].comm``) for the models the planner
 sizes: the lab's GPT and Llama, and Hugging Face configs of the types it counts (``planned_model``); a
@@ -55,15 +57,19 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
     elif zero == 1:
         out["broadcast"] = grads  # every parameter, from its owner, after the step
     if record["strategy"] == "fsdp":
-        n = shard_group(record)
-        # Without pp, gradient accumulation gathers again for every micro-batch (and reduce-scatters once).
-        m = int(record.get("microbatches", 1)) if record["dims"]["pp"] == 1 else 1
-        # Forward, and backward again for a unit that resharded after forward.
-        out["all_gather"] = sum(p["padded"] * p["elem"] * n * (2 if reshards_after_forward(record, p) else 1)
-                                for p in dense) * m
+        n, m = shard_group(record), int(record.get("microbatches", 1))
+        gathered = 2 if record.get("mixed_precision") == "bf16" else None  # FSDP2 gathers in its param_dtype
+        # Per micro-batch a gather in forward, and again in backward for a unit that resharded after forward; a
+        # pipeline stage keeps a unit whole from its first backward to the step's end, so it gathers 1 + m times.
+        # The gradients are reduced once, after the last micro-batch (kernels.parallel.ddp, torch's stages).
+        times = (lambda p: (1 + m) if reshards_after_forward(record, p) else 1) if record["dims"]["pp"] > 1 \
+            else (lambda p: m * (2 if reshards_after_forward(record, p) else 1))
+        out["all_gather"] = sum(p["padded"] * (gathered or p["elem"]) * n * times(p) for p in dense)
         out["reduce_scatter"] = sum(p["padded"] * p["elem"] for p in dense) * n
         if record.get("hybrid") and 1 < n < record["dims"]["dp"]:  # HSDP: each reduced shard summed over replicas
             out["all_reduce"] = out.get("all_reduce", 0.0) + out["reduce_scatter"] / n
+        elif record.get("hybrid") and 1 < n == record["dims"]["dp"]:  # HSDP with one replica: torch still calls it
+            out["all_reduce/1"] = out["reduce_scatter"] / n
     for e in stage.comm if stage is not None else []:
         if e.axis in ("tp", "pp", "ep", "cp") and (e.axis != "pp" or e.op == "p2p"):  # tied_bytes above: the rest
             # pp's stage sends, cp's ring sends and receives (each send has its receive), ep's all-to-alls
@@ -86,8 +92,10 @@ def planned_stage(record: dict[str, Any], run: RunConfig) -> Any:
                 "activation_checkpointing": s.activation_checkpointing}
     if s.pp > 1:
         parallel["stages_per_rank"] = s.stages_per_rank
+    # FSDP2's bf16 policy computes in bf16, so the activations TP and PP move are bf16 (autocast's are not all).
+    dtype = "bf16" if record.get("mixed_precision") == "bf16" and record["strategy"] == "fsdp" else "fp32"
     p = plan(model, gpus=s.world, parallel=parallel, global_batch=run.global_batch,
-             seq_len=run.model.get("seq_len"), dtype="fp32", optimizer=optimizer_name(record))
+             seq_len=run.model.get("seq_len"), dtype=dtype, optimizer=optimizer_name(record))
     return p.stages[record["coords"]["pp"]]
 
 

@@ -12,11 +12,13 @@ What is counted, per iteration with M micro-batches per dp rank:
   all-reduce after accumulation.
 - ZeRO-1: one gradient reduce-scatter, one all-gather of the updated parameters
   (the ZeRO paper's 2Ψ; torch's ZeroRedundancyOptimizer all-reduces instead, 3Ψ).
-- ZeRO-2 / FSDP grad_op: a parameter all-gather and a gradient reduce-scatter per micro-batch, which
-  keeps gradients sharded (why ZeRO-2 and PP mix badly, Hugging Face's multi-GPU guide, "ZeRO DP+PP+TP").
-- ZeRO-3 / FSDP full: as ZeRO-2 plus an all-gather per micro-batch backward.
+- ZeRO-2 / FSDP grad_op: a parameter all-gather per micro-batch; ZeRO-3 / FSDP full: another in backward.
+  In a pipeline a stage keeps its units whole from their first backward to the step's end: one gather
+  (ZeRO-2), 1 + M (ZeRO-3). One gradient reduce-scatter per step: the lab defers FSDP's gradient sync to the
+  last micro-batch, as torch's pipeline stages do (unlike DeepSpeed, whose per-micro-batch reduce-scatters
+  make ZeRO-2 and PP mix badly, Hugging Face's multi-GPU guide, "ZeRO DP+PP+TP").
 - FSDP hybrid: ZeRO-2/3 inside each of the dp_replicate shard groups of dp_shard ranks,
-  plus an all-reduce of the gradient shard across the groups after each reduce-scatter.
+  plus an all-reduce of the gradient shard across the groups after the reduce-scatter.
 - tp axis (Megatron): two all-reduces of b·s·h per block forward (attention out, MLP
   out) and two backward (their conjugates); under full recompute one more per block (torch's
   checkpoint stops before the block's last, which backward does not need).
@@ -131,11 +133,11 @@ def dp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     if lay.fsdp_strategy == "hybrid":
         return _hybrid_entries(lay, w, gpus_per_node)
     link = axis_link(lay, "dp", gpus_per_node)
-    return _sharded_entries("dp", lay.zero, lay.data_ranks, link, w, sharded_psi(lay, w))
+    return _sharded_entries("dp", lay, lay.data_ranks, link, w, sharded_psi(lay, w))
 
 
-def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work, psi: float) -> list[CommEntry]:
-    full, m = psi * w.elem_bytes, w.microbatches
+def _sharded_entries(axis: str, lay: Layout, n: int, link: str, w: Work, psi: float) -> list[CommEntry]:
+    full, m, zero = psi * w.elem_bytes, w.microbatches, lay.zero
     if n == 1:
         return []
     if zero == 0:
@@ -143,22 +145,21 @@ def _sharded_entries(axis: str, zero: int, n: int, link: str, w: Work, psi: floa
     if zero == 1:
         return [entry(axis, "reduce_scatter", "bwd", link, n, 1, full),
                 entry(axis, "all_gather", "step", link, n, 1, full)]
-    out = [entry(axis, "all_gather", "fwd", link, n, m, full)]
-    if zero == 3:
-        out.append(entry(axis, "all_gather", "bwd", link, n, m, full))
-    out.append(entry(axis, "reduce_scatter", "bwd", link, n, m, full))
-    return out
+    # A pipeline stage keeps a unit whole from its first backward to the step's end; gradients are reduced once.
+    gathers = ({"fwd": 1} if zero == 2 else {"fwd": m, "bwd": 1}) if lay.pp > 1 else \
+        ({"fwd": m} if zero == 2 else {"fwd": m, "bwd": m})
+    out = [entry(axis, "all_gather", phase, link, n, count, full) for phase, count in gathers.items()]
+    return out + [entry(axis, "reduce_scatter", "bwd", link, n, 1, full)]
 
 
 def _hybrid_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     shard, replicate = hybrid_groups(lay)
     s, r = len(shard[0]), len(replicate[0])
     psi = sharded_psi(lay, w)
-    out = _sharded_entries("dp_shard", lay.zero, s, groups_link(shard, gpus_per_node), w, psi)
+    out = _sharded_entries("dp_shard", lay, s, groups_link(shard, gpus_per_node), w, psi)
     if r > 1:
         grad_shard = psi * w.elem_bytes / s
-        out.append(entry("dp_replicate", "all_reduce", "bwd", groups_link(replicate, gpus_per_node),
-                         r, w.microbatches, grad_shard))
+        out.append(entry("dp_replicate", "all_reduce", "bwd", groups_link(replicate, gpus_per_node), r, 1, grad_shard))
     return out
 
 
