@@ -173,8 +173,8 @@ def tp_entries(lay: Layout, w: Work, gpus_per_node: int) -> list[CommEntry]:
     halves = 2 * w.layers_on_rank - w.moe_layers  # a MoE block's experts are whole on every tp rank: no MLP collective
     input_grads = (w.layers_on_rank - w.moe_layers) * w.mlp_allreduces + w.layers_on_rank * w.qkv_allreduces
     m, n, sp, out = w.microbatches, lay.tp, lay.sequence_parallel, []
-    # Recomputing a block, torch's checkpoint stops once backward has what it saved: the block's last output
-    # collective (its MLP's, or a MoE block's attention's, which the experts need) is not run again.
+    # Recomputing a block, torch's checkpoint stops once backward has what it saved: a dense block's last output
+    # collective, its MLP's, is not run again (a MoE block's one, its attention's, is: the experts need it).
     outputs = {"fwd": halves, "recompute": w.layers_on_rank}
     for phase in _phases(lay):
         if not halves:

@@ -174,10 +174,10 @@ def _base_work(spec: ModelSpec, lay: Layout, dtype: str, mb: int, m: int, seq: i
 
 def _tied_table(spec: ModelSpec, lay: Layout) -> float:
     """A pipeline rank's elements of a head tied to the embedding (0 when untied or without a pipeline): the table,
-    split by vocabulary rows where the TP plan splits the ends."""
+    split by vocabulary rows unless the TP plan leaves the ends whole (as ``plan_shape_params`` counts them)."""
     if not spec.tied_embeddings or lay.pp == 1 or spec.vocab is None or spec.hidden is None:
         return 0.0
-    return spec.vocab * spec.hidden / (lay.tp if spec.sharded_ends else 1)
+    return spec.vocab * spec.hidden / (1 if spec.whole_ends else lay.tp)
 
 
 def _model_problems(spec: ModelSpec, lay: Layout, seq: int) -> list[tuple[str, str]]:
