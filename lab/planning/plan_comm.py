@@ -26,7 +26,7 @@ What is counted, per iteration with M micro-batches per dp rank:
   column-parallel Linear's input itself, so it all-reduces the attention input's gradient
   once per projection: 4 backward all-reduces per block instead of 2; separate gate and up
   projections of a gated MLP (Llama's) add one more. The lab's models enter each half once.
-- tp axis outside the blocks, for a model whose plan splits its ends (``Work.embed``/``Work.head``:
+- tp axis outside the blocks, for a model whose plan splits its ends (``Work.sharded_ends``:
   the lab's GPT and Llama, HF Llama): the row-parallel token and position embeddings all-reduce their
   outputs b·s·h and s·h forward; the column-parallel LM head all-reduces its input gradient b·s·h
   backward and all-gathers the logits b·s·V forward. Under loss_parallel the logits stay sharded:
@@ -100,8 +100,7 @@ class Work:
     seq_len: int  # tokens of a sequence on this rank: seq_len / cp
     hidden: int | None  # None for a count-only model: no TP/PP traffic can be sized
     layers_on_rank: int | None
-    embed: bool = False  # holds TP-sharded embeddings (per-tensor models): their collectives count
-    head: bool = False  # holds the TP-sharded LM head (per-tensor models)
+    sharded_ends: bool = False  # ModelSpec.sharded_ends: the embeddings' and head's TP collectives count
     vocab: int | None = None
     qkv_allreduces: int = 1  # backward all-reduces of the attention input: 1 entered once, 3 per projection
     mlp_allreduces: int = 1  # backward all-reduces of the MLP input: 2 for separate gate and up projections
@@ -210,14 +209,14 @@ def _tp_outer_entries(lay: Layout, w: Work, link: str, payload: float) -> list[C
     """The row-parallel embeddings' outputs and the column-parallel head's input and logits."""
     m, n, out = w.microbatches, lay.tp, []
     cut = lay.sequence_parallel and not w.sp_between_blocks  # Megatron's SP: the ends meet a cut stream
-    if w.embed:  # the token embedding (b, s, h), then the positions (s, h)
+    if w.sharded_ends and w.first_stage:  # the token embedding (b, s, h), then the positions (s, h)
         for size in (payload, payload / w.micro_batch) if w.learned_pos else (payload,):
             if cut:
                 out += [entry("tp", "reduce_scatter", "fwd", link, n, m, size),
                         entry("tp", "all_gather", "bwd", link, n, m, size)]
             else:
                 out.append(entry("tp", "all_reduce", "fwd", link, n, m, size))
-    if w.head and w.vocab is not None:
+    if w.sharded_ends and w.last_stage and w.vocab is not None:
         if cut:  # the head's input (b, s/tp, h) is gathered, its gradient scattered
             out += [entry("tp", "all_gather", "fwd", link, n, m, payload),
                     entry("tp", "reduce_scatter", "bwd", link, n, m, payload)]

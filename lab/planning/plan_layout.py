@@ -142,9 +142,8 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
                          activations_gb)
     busiest = max(stages, key=lambda st: st.memory.total)  # the first on ties
     work = dataclasses.replace(base, psi_local=busiest.params - busiest.expert_params,
-                               layers_on_rank=busiest.layers, embed=spec.sharded_ends and 0 in busiest.stage_ids,
-                               head=spec.sharded_ends and lay.num_stages - 1 in busiest.stage_ids,
-                               expert_psi=busiest.expert_params, moe_layers=busiest.moe_layers,
+                               layers_on_rank=busiest.layers, expert_psi=busiest.expert_params,
+                               moe_layers=busiest.moe_layers,
                                first_stage=0 in busiest.stage_ids, last_stage=lay.num_stages - 1 in busiest.stage_ids)
     mem, comm = busiest.memory, all_entries(lay, work, gpus_per_node)  # p2p: a middle stage's
     bubble = bubble_theory(lay.schedule, lay.pp, m, lay.stages_per_rank)
@@ -168,8 +167,8 @@ def _base_work(spec: ModelSpec, lay: Layout, dtype: str, mb: int, m: int, seq: i
     return Work(0.0, dtype_bytes(dtype), mb, m, local, spec.hidden, None, vocab=spec.vocab,
                 qkv_allreduces=1 if spec.one_tp_input else 3,
                 mlp_allreduces=2 if spec.gated_mlp and not spec.one_tp_input else 1, learned_pos=spec.learned_pos,
-                dispatched=routed, experts=spec.experts, kv_dim=kv_dim, norm_bias=spec.bias,
-                sp_between_blocks=spec.sp_between_blocks, tied_table=_tied_table(spec, lay))
+                dispatched=routed, experts=spec.experts, kv_dim=kv_dim, sharded_ends=spec.sharded_ends,
+                norm_bias=spec.bias, sp_between_blocks=spec.sp_between_blocks, tied_table=_tied_table(spec, lay))
 
 
 def _tied_table(spec: ModelSpec, lay: Layout) -> float:

@@ -65,7 +65,8 @@ class ModelSpec:
     # the user brought, kernels.model.own_sequence_parallel): the ends and the final norm run whole, and each TP
     # input's gradient is all-reduced as without SP. False: Megatron's SP, which the lab's own models run.
     sp_between_blocks: bool = False
-    whole_ends: bool = False  # the TP plan leaves the embeddings and head whole on every tp rank (GPT-2 under the lab's)
+    # The TP plan leaves the embeddings and head whole on every tp rank (GPT-2 under the lab's plan).
+    whole_ends: bool = False
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2), where ``bias`` is off
     head_dim: int | None = None  # per-head width; None means hidden / heads (Qwen3 sets 128 with hidden 2048)
     qk_norm: bool = False  # an RMSNorm on each head's q and k (Qwen3): 2·head_dim weights per layer

@@ -55,7 +55,8 @@ def spec_from_config(model: Any, name: str | None = None) -> ModelSpec:
                          int(model.vocab_size), seq_len=int(positions), gated_mlp=not gpt_style,
                          tied_embeddings=bool(getattr(model, "tie_word_embeddings", False)), learned_pos=gpt_style,
                          bias=gpt_style or bool(getattr(model, "attention_bias", False)), one_tp_input=gpt_style,
-                         qkv_bias=kind in _QKV_BIAS, sharded_ends=not gpt_style, whole_ends=gpt_style, sp_between_blocks=True,
+                         qkv_bias=kind in _QKV_BIAS, sharded_ends=not gpt_style, whole_ends=gpt_style,
+                         sp_between_blocks=True,
                          head_dim=getattr(model, "head_dim", None) or None, qk_norm=kind in _QK_NORM,
                          **moe_config_fields(model, int(ffn)))
     return dataclasses.replace(spec, params=spec.shape_params)

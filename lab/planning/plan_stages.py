@@ -121,9 +121,8 @@ def stage_plans(spec: ModelSpec, lay: Layout, base: Work, gpus_per_node: int, k:
         ids = stage_ids(lay.schedule, r, lay.pp, lay.stages_per_rank)
         held = stage_params(spec, lay, ids)
         w = dataclasses.replace(base, psi_local=held.dense, layers_on_rank=held.layers, stage_ids=ids,
-                                num_stages=n_stages, embed=spec.sharded_ends and 0 in ids,
-                                head=spec.sharded_ends and n_stages - 1 in ids, expert_psi=held.experts,
-                                moe_layers=held.moe_layers, first_stage=0 in ids, last_stage=n_stages - 1 in ids)
+                                num_stages=n_stages, expert_psi=held.experts, moe_layers=held.moe_layers,
+                                first_stage=0 in ids, last_stage=n_stages - 1 in ids)
         mem = stage_memory(lay, w, k, gpu_mem_gb, activations_gb, stage=r)
         out.append(StagePlan(r, ids, held.layers, held.dense + held.experts, mem, all_entries(lay, w, gpus_per_node),
                              held.experts, held.moe_layers))
