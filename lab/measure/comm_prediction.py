@@ -62,8 +62,12 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
         # Per micro-batch a gather in forward, and again in backward for a unit that resharded after forward; a
         # pipeline stage keeps a unit whole from its first backward to the step's end, so it gathers 1 + m times.
         # The gradients are reduced once, after the last micro-batch (kernels.parallel.ddp, torch's stages).
-        times = (lambda p: (1 + m) if reshards_after_forward(record, p) else 1) if record["dims"]["pp"] > 1 \
-            else (lambda p: m * (2 if reshards_after_forward(record, p) else 1))
+        def times(p: dict[str, Any]) -> int:
+            again = reshards_after_forward(record, p)
+            if record["dims"]["pp"] > 1:
+                return 1 + m if again else 1
+            return m * (2 if again else 1)
+
         out["all_gather"] = sum(p["padded"] * (gathered or p["elem"]) * n * times(p) for p in dense)
         out["reduce_scatter"] = sum(p["padded"] * p["elem"] for p in dense) * n
         if record.get("hybrid") and 1 < n < record["dims"]["dp"]:  # HSDP: each reduced shard summed over replicas

@@ -80,20 +80,21 @@ def planned_inter(row: dict[str, Any], record: dict[str, Any], predicted: float 
     return predicted * wire_factor(row["op"], row["group_size"]) * (hosts[ahead] != hosts[rank])
 
 
-def _cp_next(dims: dict[str, int], rank: int, order: Sequence[str]) -> int:
+def _record_mesh(dims: dict[str, int], order: Sequence[str], **options: Any) -> Layout:
     cp = dims.get("cp", 1)  # the record's dp is the data axis, dp · cp ranks
-    lay = Layout(dp=dims["dp"] // cp, tp=dims["tp"], pp=dims["pp"], cp=cp, mesh_order=tuple(order))
-    ring = next(g for g in layout_groups(lay, "cp") if rank in g)
+    return Layout(dp=dims["dp"] // cp, tp=dims["tp"], pp=dims["pp"], cp=cp, mesh_order=tuple(order), **options)
+
+
+def _cp_next(dims: dict[str, int], rank: int, order: Sequence[str]) -> int:
+    ring = next(g for g in layout_groups(_record_mesh(dims, order), "cp") if rank in g)
     return ring[(ring.index(rank) + 1) % len(ring)]
 
 
 def hsdp_neighbour(dims: dict[str, int], op: str, rank: int, order: Sequence[str] = MESH_AXES) -> int:
     """The next rank of ``rank``'s HSDP ring for ``op``: its replicate group for the all-reduce, its shard group for
     FSDP's all-gathers and reduce-scatters (module docstring)."""
-    cp = dims.get("cp", 1)  # the record's dp is the data axis, dp · cp ranks
-    lay = Layout(dp=dims["dp"] // cp, tp=dims["tp"], pp=dims["pp"], cp=cp, fsdp_strategy="hybrid",
-                 dp_replicate=dims["dp_replicate"], mesh_order=tuple(order))
-    shard, replicate = hybrid_groups(lay)
+    shard, replicate = hybrid_groups(_record_mesh(dims, order, fsdp_strategy="hybrid",
+                                                  dp_replicate=dims["dp_replicate"]))
     group = next(g for g in (replicate if op == "all_reduce" else shard) if rank in g)
     return group[(group.index(rank) + 1) % len(group)]
 

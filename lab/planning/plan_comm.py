@@ -145,8 +145,10 @@ def _sharded_entries(axis: str, lay: Layout, n: int, link: str, w: Work, psi: fl
         return [entry(axis, "reduce_scatter", "bwd", link, n, 1, full),
                 entry(axis, "all_gather", "step", link, n, 1, full)]
     # A pipeline stage keeps a unit whole from its first backward to the step's end; gradients are reduced once.
-    gathers = ({"fwd": 1} if zero == 2 else {"fwd": m, "bwd": 1}) if lay.pp > 1 else \
-        ({"fwd": m} if zero == 2 else {"fwd": m, "bwd": m})
+    if lay.pp > 1:
+        gathers = {"fwd": m, "bwd": 1} if zero == 3 else {"fwd": 1}
+    else:
+        gathers = {"fwd": m, "bwd": m} if zero == 3 else {"fwd": m}
     out = [entry(axis, "all_gather", phase, link, n, count, full) for phase, count in gathers.items()]
     return out + [entry(axis, "reduce_scatter", "bwd", link, n, 1, full)]
 
