@@ -204,3 +204,15 @@ def test_fsdp_calls_per_step_equal_the_prediction_and_the_plan(cluster, name):
             if r.rank == rec["rank"] and r.source == "dist" and r.group_size > 1:
                 got[r.op] += r.payload_bytes
         assert got == want, (name, rec["rank"])
+
+
+@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_fsdp_holds_a_whole_gradient_beside_its_shard_while_it_accumulates(cluster, zero):
+    # The lab reduce-scatters once a step, on the last micro-batch: until then FSDP2 keeps each unit's gradient
+    # whole. ZeRO-3 keeps it on the unsharded parameter it no longer registers, which the probe once missed.
+    out = measure_layout(cluster, {**BASE, "dp": 4, "zero": zero, "microbatches": 2})
+    for rec in out["ranks"]:
+        whole = 4 * sum(functools.reduce(lambda a, b: a * b, i["global_shape"]) for i in rec["params"].values())
+        memory = rec["memory"]
+        assert memory["peak_fwd_bwd"]["grads"] == memory["at_rest"]["grads"] + whole, rec["rank"]
+    assert all(r.measured == r.predicted for r in out["memory"] if r.category == "grads"), zero

@@ -17,7 +17,8 @@ How each category is counted (``model_state_bytes``):
   between forward and backward and ZeRO-3 shows shards. (While unsharded, FSDP2 also
   keeps the shard itself: ``param_shards_unregistered``, not counted in parameters.)
 - gradients: ``p.grad`` of those parameters and of the optimizer's (DDP and ZeRO-1:
-  whole; FSDP2: shards, which hang on the sharded DTensors even while a unit is whole).
+  whole; FSDP2: shards, which hang on the sharded DTensors even while a unit is whole),
+  and, while FSDP2 accumulates without reducing, the whole gradients it keeps beside them.
 - optimizer: every tensor in the optimizer's state: for ``ZeroRedundancyOptimizer``
   its inner optimizer's state, i.e. only this rank's partition. AdamW holds exp_avg and
   exp_avg_sq (K = 8 bytes per fp32 element) plus a ``step`` scalar per parameter
@@ -61,6 +62,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from kernels.measure.activation_parts import PartTracker
+from kernels.parallel.fsdp import unsharded_grads
 from kernels.parallel.activation_checkpoint import observe_selective_saves
 
 
@@ -104,7 +106,8 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     Gradients are read from the optimizer's parameters as well as the registered ones:
     while FSDP2 has a unit unsharded (ZeRO-2 between forward and backward), the sharded
     gradients hang on the sharded DTensors the optimizer holds, not on the registered
-    whole tensors. ``param_shards_unregistered`` counts those sharded parameters while
+    whole tensors; during gradient accumulation FSDP2 also holds whole gradients that no
+    registered parameter shows (``kernels.parallel.fsdp.unsharded_grads``). ``param_shards_unregistered`` counts those sharded parameters while
     they are not registered (FSDP2 keeps them beside the whole ones).
     """
     params = list(model.parameters())
@@ -112,7 +115,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     resting = [x for group in optimizer.param_groups for x in group["params"]]
     hidden = [x for x in resting if id(x) not in registered]
     p = tensor_bytes(params)
-    g = tensor_bytes(x.grad for x in params + hidden if x.grad is not None)
+    g = tensor_bytes([x.grad for x in params + hidden if x.grad is not None] + unsharded_grads(model))
     moments, steps = [], []
     for state in optimizer_state(optimizer).values():
         for name, value in state.items():

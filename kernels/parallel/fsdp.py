@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from kernels.contract.layout_rules import reshard_units
@@ -133,6 +133,25 @@ def describe_params(model: nn.Module) -> dict[str, dict[str, Any]]:
         else:
             out[name] = {"global_shape": list(p.shape), "local_shape": list(p.shape),
                          "placements": [], "mesh_axes": [], "dtype": str(p.dtype)}
+    return out
+
+
+def unsharded_grads(model: nn.Module) -> list[torch.Tensor]:
+    """The whole gradients FSDP2 holds off the registered parameters: a unit's accumulation when a backward skipped
+    its reduce-scatter (``set_requires_gradient_sync(False)``).
+
+    A resharded unit (ZeRO-3) keeps its earlier micro-batches' gradient on the unsharded parameter it no
+    longer registers, or, under a reduce dtype, in ``unsharded_accumulated_grad``; neither shows on
+    ``model.parameters()``. Both are private attributes of ``FSDPParam``: a torch without them yields none.
+    """
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            unsharded = getattr(param, "_unsharded_param", None)
+            for grad in (getattr(unsharded, "grad", None), getattr(param, "unsharded_accumulated_grad", None)):
+                if grad is not None:
+                    out.append(grad)
     return out
 
 

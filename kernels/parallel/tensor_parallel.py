@@ -66,9 +66,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     if hasattr(model, "after_tp"):  # a model the user brought: its tied head, its fused q/k/v (kernels.model.own_model)
         model.after_tp(tp_mesh, sequence_parallel)
     for param in model.parameters():
-        if param.requires_grad:  # a frozen parameter (a model's fixed table) takes no gradient and no hook
-            param.register_post_accumulate_grad_hook(_shard_grad_like_param)
+        _shard_grads_of(param)
+    for module in model.modules():  # FSDP2 registers other parameters in these modules' place: hooked as they come
+        if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(_hook_params_computed_with)
     return model
+
+
+def _hook_params_computed_with(module: nn.Module, args: object) -> None:
+    """Under FSDP2, the unsharded parameters it registers for forward and backward (built once, after its
+    first all-gather) in place of the ones ``apply_tp`` hooked."""
+    for param in module.parameters(recurse=False):
+        _shard_grads_of(param)
+
+
+def _shard_grads_of(param: nn.Parameter) -> None:
+    """Hook ``_shard_grad_like_param`` on ``param`` once (a frozen table takes no gradient and no hook)."""
+    if param.requires_grad and not getattr(param, "_grad_sharded_like_param", False):
+        param.register_post_accumulate_grad_hook(_shard_grad_like_param)
+        param._grad_sharded_like_param = True
 
 
 def _shard_grad_like_param(param: nn.Parameter) -> None:
@@ -77,8 +93,9 @@ def _shard_grad_like_param(param: nn.Parameter) -> None:
     DTensor's cheapest strategy for the embedding backward, with a replicated
     gradient and replicated indices, is a replicated (whole-table) gradient, so a
     row-parallel embedding would hold its full vocab x C gradient on every tp rank and
-    lose TP's memory saving there. Replicate -> Shard is a local slice, no collective.
-    Under FSDP2 the hooked parameters are replaced by FSDP's, so this never fires there.
+    lose TP's memory saving there: for the whole step, or under FSDP2 with gradient
+    accumulation until the last micro-batch reduce-scatters it. Replicate -> Shard is a
+    local slice, no collective.
     """
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:

@@ -21,7 +21,8 @@ With pp > 1 (``PipelineProbe``) a whole schedule step runs (m micro-batches) and
 only the ``at_rest`` moment is taken: forward and backward interleave inside the
 schedule, so there is no single moment between them. Instead the most activations
 held at once over the step are kept, by part (``activations_held``,
-``kernels.measure.activation_peak``). Stage-boundary p2p is metered at
+``kernels.measure.activation_peak``), and the most parameter and gradient bytes, sampled
+after each stage action (``model_states_held``, ``kernels.measure.model_states_peak``). Stage-boundary p2p is metered at
 the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
 torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p
 alone here (``_CollectiveMeter``). Config keys are ``kernels.contract.run_config.RunConfig``'s;
@@ -32,7 +33,7 @@ Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp (the data
 {"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
 "comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
 "step_seconds", "loss", "device", "microbatches", "optimizer"}``; with pp also ``"stage_ids",
-"num_stages", "micro_batch", "activations_held"`` (memory: ``at_rest`` only).
+"num_stages", "micro_batch", "activations_held", "model_states_held"`` (memory: ``at_rest`` only).
 
 Run alone through the rank entry point (ZeRO-3 on 4 ranks, prints rank 0's memory and comm)::
 
@@ -53,6 +54,7 @@ from kernels.watch.comm import CommMeter, route_ddp_through_python, unmetered
 from kernels.watch.dist_names import DIST_OPS, P2P
 from kernels.measure.activation_peak import PeakActivations
 from kernels.measure.memory import SavedActivations, snapshot
+from kernels.measure.model_states_peak import most_held
 
 
 class StepProbe:
@@ -152,19 +154,23 @@ class PipelineProbe(StepProbe):
         super().__init__(model, optimizer, device, _CollectiveMeter())
         self.stages = stages
         self.held: dict[str, Any] | None = None  # the peak of activations held over the step, once measured
+        self.states_held: dict[str, int] | None = None  # the most parameter and gradient bytes held over it
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Meter the whole schedule step, dp gradient reduction and optimizer step (one session), and keep the most
         activations held at once over it (``activations_held``, by part)."""
         peak = PeakActivations(self.model)
-        with meter_stage_sends(self.stages, self.meter), self.metered(), peak.counting():
+        with meter_stage_sends(self.stages, self.meter), self.metered(), peak.counting(), \
+                most_held(self.stages, self.model, self.optimizer) as states:
             yield
         self.held = {"activations": peak.peak, "activation_parts": peak.peak_parts}
+        self.states_held = dict(states)
 
     def rows(self) -> dict[str, Any]:
-        """The measured part of the record, with the peak of the activations held over the schedule step."""
-        return {**super().rows(), "activations_held": self.held}
+        """The measured part of the record, with the most activations, parameters and gradients held at once over
+        the schedule step."""
+        return {**super().rows(), "activations_held": self.held, "model_states_held": self.states_held}
 
 
 def step_probe(model: nn.Module, optimizer, device: torch.device) -> StepProbe:

@@ -18,6 +18,11 @@ measured value:
   * between forward and backward each FSDP2 unit (the root, each block) holds its
     parameters whole unless it reshards after forward (ZeRO-3, or its own
     ``reshard_after_forward``), in which case it holds its shard;
+  * with gradient accumulation FSDP2 reduce-scatters on the last micro-batch only, so until then every
+    unit also holds its gradient whole (ZeRO-2 and ZeRO-3 alike: the price of one reduce-scatter a step);
+  * in a pipeline, whose schedule interleaves forwards and backwards, ``peak_fwd_bwd`` is the most held at
+    once over the step: torch's schedule keeps a unit whole after every backward but the step's last, so
+    with more than one micro-batch ZeRO-3's parameters peak whole too;
   * ZeroRedundancyOptimizer does not split tensors: it sorts whole parameters by size
     (largest first) and gives each to the rank with the smallest total so far
     (``zero1_partition``), so a rank holds near, not exactly, Ψ/N of the state
@@ -85,10 +90,13 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     # reshard_after_forward names False) holds its parameters whole; the others hold their shards.
     kept = [p for p in table if stage in (2, 3) and not reshards_after_forward(record, p)]
     peak_params = rest_params + sum((p["whole"] - p["local"]) * p["elem"] for p in kept)
-    # Gradient accumulation (no pp): a kept unit's earlier micro-batches' gradients stay unsharded (whole)
-    # until the last one reduce-scatters them, beside the sharded buffers.
-    accumulating = record["dims"]["pp"] == 1 and int(record.get("microbatches", 1)) > 1
-    peak_grads = rest_params + (sum(p["whole"] * p["elem"] for p in kept) if accumulating else 0)
+    # Gradient accumulation: the lab (and a pipeline's schedule) reduce-scatters once, on the last micro-batch, so
+    # every FSDP2 unit holds its earlier micro-batches' gradients whole until then, beside the sharded buffers.
+    units = [p for p in table if stage in (2, 3) and not p["expert"]]
+    accumulating = int(record.get("microbatches", 1)) > 1
+    peak_grads = rest_params + (sum(p["whole"] * p["elem"] for p in units) if accumulating else 0)
+    if record["dims"]["pp"] > 1 and accumulating:  # the schedule keeps a unit whole after a backward but the last
+        peak_params = rest_params + sum((p["whole"] - p["local"]) * p["elem"] for p in units)
     return {"at_rest": {"params": rest_params, "grads": rest_params, "optimizer": opt},
             "peak_fwd_bwd": {"params": peak_params, "grads": peak_grads, "optimizer": opt}}
 
@@ -120,8 +128,16 @@ def _memory_note(record: dict[str, Any], category: str) -> str:
             notes.append("reshard_after_forward per unit: the whole-parameter units between forward and backward "
                          "are predicted; the formula is the stage's")
     if record["dims"]["tp"] > 1:
-        notes.append("TP: norms and row-parallel biases replicated; sharded embeddings get whole grads")
+        notes.append("TP: norms and row-parallel biases replicated")
     return "; ".join(notes)
+
+
+def _held_note(record: dict[str, Any]) -> str:
+    note = "a pipeline step: the most held at once, sampled after each stage action"
+    if len(record.get("stage_ids", ())) > 1 and zero_stage(record) in (2, 3):
+        note += ("; several stages per rank: predicted is every stage whole at once, which the schedule's order may "
+                 "not reach (interleaved 1F1B at M = P finishes one stage's backwards before the other's begin)")
+    return note
 
 
 def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
@@ -142,7 +158,13 @@ def memory_records(record: dict[str, Any]) -> list[MemoryRecord]:
         rows.append(MemoryRecord(rank=record["rank"], moment=moment, category="cuda_workspaces",
                                  measured=snap.get("cuda_workspaces"), predicted=None, formula=None,
                                  note="cuBLAS workspaces inside cuda_allocated (one per stream); None on CPU"))
-    if record.get("activations_held"):  # a pipeline step: the most activations held at once, no model states then
+    if record.get("model_states_held"):  # a pipeline step: the most held at once; its optimizer state does not change
+        held = {**record["model_states_held"], "optimizer": record["memory"]["at_rest"]["optimizer"]}
+        rows += [MemoryRecord(rank=record["rank"], moment="peak_fwd_bwd", category=category, measured=held[category],
+                              predicted=pred["peak_fwd_bwd"][category], formula=form["peak_fwd_bwd"][category],
+                              note="; ".join(filter(None, [_held_note(record), _memory_note(record, category)])))
+                 for category in ("params", "grads", "optimizer")]
+    if record.get("activations_held"):  # a pipeline step: the most activations held at once
         rows += _activation_rows(record, "peak_fwd_bwd", record["activations_held"])
     return rows
 

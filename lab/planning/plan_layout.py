@@ -154,7 +154,7 @@ def plan_layout(model: str | float | ModelSpec | Mapping[str, Any], gpus: int, g
     balance = plan_balance(spec, lay, seq)  # reported beside the layout; the ranking does not read it
     return Plan(spec.name, spec.params, gpus, gpus_per_node, gpu_mem_gb, lay, gb, mb, m, seq, dtype,
                 str(optimizer), mem, comm, links, target_iter_s, *(bubble if lay.pp > 1 else (None, None)),
-                warnings=tuple(warnings), notes=tuple(_notes(lay, gpus_per_node)) + tuple(layout_notes(lay))
+                warnings=tuple(warnings), notes=tuple(_notes(lay, m, gpus_per_node)) + tuple(layout_notes(lay))
                 + tuple(plan_balance_notes(balance, lay)), stages=stages, step=step, stage_balance=balance)
 
 
@@ -267,14 +267,15 @@ def _warnings(spec: ModelSpec, lay: Layout, mem: MemoryBreakdown, m: int, gpus_p
     return out
 
 
-def _notes(lay: Layout, gpus_per_node: int) -> list[str]:
+def _notes(lay: Layout, m: int, gpus_per_node: int) -> list[str]:
     out = []
     if lay.fsdp_strategy == "hybrid":
         inside = groups_link(hybrid_groups(lay)[0], gpus_per_node) == "intra"
         data = f"dp={lay.dp}" if lay.cp == 1 else f"dp*cp={lay.data_ranks}"
         out.append(f"hybrid: {data} as {lay.dp_replicate} replicate x {lay.dp_shard} shard; shard groups "
                    + ("stay inside a node" if inside else "cross nodes: pass dp_replicate to shard inside a node"))
-    if lay.zero in (2, 3) and lay.pp > 1:
-        out.append(f"ZeRO-{lay.zero} with PP all-gathers/reduce-scatters per micro-batch "
-                   "(Hugging Face's multi-GPU guide: ZeRO-1 is the usual choice with PP)")
+    if lay.zero in (2, 3) and m > 1:
+        out.append(f"ZeRO-{lay.zero} over M={m} micro-batches reduce-scatters once a step, so each rank holds its "
+                   "gradient whole until then (counted in grads, in float32)"
+                   + (" (Hugging Face's multi-GPU guide: ZeRO-1 is the usual choice with PP)" if lay.pp > 1 else ""))
     return out

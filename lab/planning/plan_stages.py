@@ -12,7 +12,8 @@ and row-parallel biases, and PP gives the embeddings to the first stage, the fin
 
 Memory: parameters, gradients and optimizer states shard by TP and PP, then over the data
 axis (dp · cp ranks) as ZeRO says (``lab.planning.plan_math.zero_memory``); under expert parallelism a
-rank's E/ep experts are whole (DDP's 2+2+K bytes each), as the lab keeps them outside ZeRO/FSDP.
+rank's E/ep experts are whole (DDP's 2+2+K bytes each), as the lab keeps them outside ZeRO/FSDP. ZeRO-2/3
+with more than one micro-batch also holds the accumulating gradient whole (``_with_accumulation``).
 Activations are b·(s/cp)·h·L·16 bytes per micro-batch, plus each MoE layer's dispatched tokens and router
 probabilities (``plan_math.moe_activation_bytes``), times the micro-batches the schedule keeps in flight
 (``in_flight``), split by TP only under sequence parallelism. Pure Python; no torch.
@@ -133,14 +134,33 @@ def stage_memory(lay: Layout, w: Work, k: float, gpu_mem_gb: float, activations_
                  stage: int = 0) -> MemoryBreakdown:
     """Model states as ZeRO shards them over the data axis (over dp_shard under HSDP), experts whole under EP,
     and the activations in flight."""
-    states = zero_memory(sharded_psi(lay, w), lay.dp_shard, lay.zero, w.elem_bytes, w.elem_bytes, k)
+    states = _with_accumulation(lay, w, zero_memory(sharded_psi(lay, w), lay.dp_shard, lay.zero, w.elem_bytes,
+                                                    w.elem_bytes, k), sharded_psi(lay, w))
     if lay.ep > 1:
         own = zero_memory(w.expert_psi, 1, 0, w.elem_bytes, w.elem_bytes, k)
         states, experts = tuple(a + b for a, b in zip(states, own)), sum(own)
     else:  # the experts are ZeRO-sharded with everything else: their share of it
-        experts = sum(zero_memory(w.expert_psi, lay.dp_shard, lay.zero, w.elem_bytes, w.elem_bytes, k))
+        experts = sum(_with_accumulation(lay, w, zero_memory(w.expert_psi, lay.dp_shard, lay.zero, w.elem_bytes,
+                                                             w.elem_bytes, k), w.expert_psi))
     act = activations_gb * GB if activations_gb is not None else _activations(lay, w, stage)
     return MemoryBreakdown(*states, act, gpu_mem_gb * GB, experts)
+
+
+def _with_accumulation(lay: Layout, w: Work, states: tuple[float, float, float],
+                       psi: float) -> tuple[float, float, float]:
+    """ZeRO-2/3 ``states`` plus the whole gradient FSDP2 holds while micro-batches accumulate.
+
+    The lab reduce-scatters once a step, on the last micro-batch (a pipeline's schedule does the same), so
+    until then every unit keeps its gradient whole, in float32 under bf16 (FSDP2's reduce dtype), beside
+    the sharded one: the price of reducing once, not M times. A pipeline's schedule also keeps each unit
+    whole after every backward but the step's last, so there ZeRO-3's parameters peak whole as ZeRO-2's do.
+    """
+    if lay.zero < 2 or w.microbatches < 2:
+        return states
+    params, grads, opt = states
+    if lay.pp > 1:
+        params = psi * w.elem_bytes
+    return params, grads + psi * max(w.elem_bytes, 4), opt
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:

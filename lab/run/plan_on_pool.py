@@ -104,15 +104,14 @@ def _layout_dict(parallel: Any) -> dict[str, Any]:
 
 
 def _memory_rows(predicted: Plan, result: Any) -> list[CheckRow]:
-    """Per pipeline rank: the busiest rank's model states (forward done, or at rest in a pipeline) and
-    activations (peak), beside the planner's StagePlan memory."""
+    """Per pipeline rank: the busiest rank's model states (forward done, or in a pipeline the most held at once
+    over the step) and activations (peak), beside the planner's StagePlan memory."""
     pp_of = {rec["rank"]: rec["coords"]["pp"] for rec in result.layout}
-    moment = "peak_fwd_bwd" if predicted.layout.pp == 1 else "at_rest"
     busiest: dict[tuple[int, str], float] = defaultdict(float)
     for row in result.memory_records:
         category, rank = row["category"], row["rank"]
-        wanted = row["moment"] == ("peak_fwd_bwd" if category == "activations" else moment)
-        if wanted and category in ("params", "grads", "optimizer", "activations") and row["measured"] is not None:
+        wanted = category in ("params", "grads", "optimizer", "activations") and row["measured"] is not None
+        if wanted and row["moment"] == "peak_fwd_bwd":
             key = (pp_of[rank], category)
             busiest[key] = max(busiest[key], row["measured"])
     notes = {"optimizer": "measured includes AdamW's 4-byte step per tensor",
