@@ -68,10 +68,16 @@ def test_llama31_405b_rank0_tp8_pp16_dp8_shard_equals_shape_arithmetic():
     assert report.measured["local_numel"] == expected
     assert report.measured["params"] == 2 * expected
     # The exact plan gives stage 0 its 8 blocks (norms whole on every tp rank) and the embedding
-    # (lab.planning.plan_shape_params): the shard to the element. Spreading the ends over the blocks, as the
-    # planner once did, read 7.1% low here.
-    assert report.plan_exact.memory.params == 2 * expected
+    # (lab.planning.plan_shape_params): the shard to the element, times dp, since over M = 16 micro-batches
+    # torch's schedule keeps the stage's ZeRO-3 units whole from its first backward to its last. Spreading the
+    # ends over the blocks, as the planner once did, read 7.1% low here.
+    assert report.accumulating and report.plan.microbatches == 16
+    assert report.measured["params_whole"] == 8 * 2 * expected
+    assert report.plan_exact.memory.params == 8 * 2 * expected
     assert report.ratio("parameters") == pytest.approx(1.0, abs=1e-12)
+    # Gradients: the bf16 shard, and the stage's whole gradient in float32 until the step's one reduce-scatter.
+    assert report.plan_exact.memory.grads == 2 * expected + 8 * 4 * expected
+    assert report.ratio("gradients") == pytest.approx(1.0, abs=1e-12)
 
 
 def _tp_dim(name: str) -> int | None:

@@ -17,9 +17,10 @@ since neither exists on meta.
 Like with like: a preset's ``params`` is the round figure (70e9 for Llama-3 70B), and
 ``plan()`` sizes with it; the shards add up to the shape-derived count (70.55e9). So
 the report shows the plan twice: with the nominal count (what ``lab.plan`` says) and
-with ``spec.exact()``. The remaining gap to the exact plan is what the planner's
-"every weight splits evenly by tp and pp" leaves out: norms are replicated over tp, and
-the embeddings and head sit on the first and last stages.
+with ``spec.exact()``, which counts part by part as the ranks build them (norms whole on every
+tp rank, the embeddings on the first stage, the head on the last): the shard equals it.
+ZeRO-2/3 over several micro-batches adds the whole gradient FSDP2 holds until the step's
+reduce-scatter (``DryRunReport.accumulating``), computed from the shard's whole shapes.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from lab.planning.plan_math import GB, optimizer_bytes
+from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes
 from lab.planning.plan_mesh import Layout, layout_from
 from lab.planning.plan_models import ModelSpec, get_model
 from lab.planning.planner import Plan, plan
@@ -66,16 +67,33 @@ class DryRunReport:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def accumulating(self) -> bool:
+        """ZeRO-2/3 over several micro-batches: FSDP2 holds a whole gradient until the step's one reduce-scatter
+        (and a pipeline's ZeRO-3 whole parameters), which the plan counts and a dry run, taking no step, derives
+        from the shard's whole (TP/PP-local) shapes."""
+        return self.layout.zero >= 2 and self.plan.microbatches > 1
+
+    @property
     def params_as_planned(self) -> float:
         """Measured parameter bytes in the plan's convention: ZeRO-3 counts the shard at
-        rest; ZeRO-0/1/2 count whole (TP/PP-local) parameters, as held between forward and backward."""
-        return self.measured["params" if self.layout.zero == 3 else "params_whole"]
+        rest; ZeRO-0/1/2 count whole (TP/PP-local) parameters, as held between forward and backward,
+        and so does ZeRO-3 in a pipeline over several micro-batches."""
+        whole = self.layout.zero != 3 or (self.accumulating and self.layout.pp > 1)
+        return self.measured["params_whole" if whole else "params"]
+
+    @property
+    def grads_as_planned(self) -> float:
+        """Gradient bytes in the plan's convention: the shard's, and while accumulating the whole gradient beside
+        it, in float32 under bf16 (FSDP2's reduce dtype)."""
+        elem = dtype_bytes(self.dtype)
+        return self.measured["grads"] + (self.measured["params_whole"] / elem * max(elem, 4)
+                                         if self.accumulating else 0.0)
 
     def rows(self) -> list[tuple[str, float, float, float]]:
         """(category, measured, plan nominal, plan exact) for params, grads, optimizer, total."""
         m, p, e = self.measured, self.plan.memory, self.plan_exact.memory
         out = [("parameters", self.params_as_planned, p.params, e.params),
-               ("gradients", m["grads"], p.grads, e.grads),
+               ("gradients", self.grads_as_planned, p.grads, e.grads),
                ("optimizer", m["optimizer"], p.optimizer, e.optimizer)]
         out.append(("model states", sum(r[1] for r in out), sum(r[2] for r in out), sum(r[3] for r in out)))
         return out
@@ -174,7 +192,7 @@ def dry_run(plan_or_parallel: Plan | Any, model: str | ModelSpec | Mapping[str, 
     return DryRunReport(spec.name, lay, rank, record["coords"], dtype, str(optimizer), k, record["model_params"],
                         spec.params, record["bytes"], nominal, exact, tuple(record["layers"]),
                         tuple(record["shards"]), wall, record["rank_wall_s"],
-                        tuple(_notes(spec, lay, record, cfg)))
+                        tuple(_notes(spec, lay, record, cfg, nominal.microbatches)))
 
 
 def _opt(optimizer: str) -> str | float:
@@ -221,7 +239,7 @@ def run_rank_subprocess(cfg: dict[str, Any], timeout: float = 600.0) -> dict[str
     return json.loads(lines[-1])
 
 
-def _notes(spec: ModelSpec, lay: Layout, record: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+def _notes(spec: ModelSpec, lay: Layout, record: dict[str, Any], cfg: dict[str, Any], m: int) -> list[str]:
     out = [f"{spec.name}: plan() sizes with Ψ={spec.params / 1e9:g}B (the round figure); the shapes "
            f"built here add up to {record['model_params'] / 1e9:.3f}B (spec.exact())",
            "parameters: measured from local shard shapes on meta; gradients and optimizer states: "
@@ -230,14 +248,13 @@ def _notes(spec: ModelSpec, lay: Layout, record: dict[str, Any], cfg: dict[str, 
     if record["coords"]["pp"] != 0:
         out.append("the plan's memory is its busiest pipeline rank's; this rank is on stage "
                    f"{record['coords']['pp']}")
-    if lay.pp > 1:
-        out.append("the plan spreads embeddings and head evenly over stages; here they sit on the "
-                   "first and last stage")
-    if lay.zero == 2:
-        out.append(f"ZeRO-2: parameters at rest are {_gb(record['bytes']['params'])} (sharded); "
-                   "the row shows them whole, as held from forward to backward")
+    if lay.zero == 2 or (lay.zero == 3 and lay.pp > 1 and m > 1):
+        out.append(f"ZeRO-{lay.zero}: parameters at rest are {_gb(record['bytes']['params'])} (sharded); the row "
+                   "shows them whole, as held " + ("from forward to backward" if lay.zero == 2 else
+                                                   "from the schedule's first backward to its last"))
+    if lay.zero >= 2 and m > 1:
+        out.append(f"gradients: the shard and, over M={m} micro-batches, the whole gradient FSDP2 holds until the "
+                   "step's one reduce-scatter (computed from the whole shapes, in float32)")
     if lay.zero == 1:
         out.append("ZeRO-1: optimizer bytes are the rule numel·K/dp (ZeroRedundancyOptimizer is not built)")
-    if lay.tp > 1:
-        out.append("norm weights are replicated over tp (the plan divides every weight by tp)")
     return out
