@@ -216,3 +216,18 @@ def test_fsdp_holds_a_whole_gradient_beside_its_shard_while_it_accumulates(clust
         memory = rec["memory"]
         assert memory["peak_fwd_bwd"]["grads"] == memory["at_rest"]["grads"] + whole, rec["rank"]
     assert all(r.measured == r.predicted for r in out["memory"] if r.category == "grads"), zero
+
+
+BF16_STATES = {"zero2": {"dp": 4, "zero": 2},
+               "tp2-dp2-replicated-accumulation": {"dp": 2, "tp": 2, "microbatches": 2},
+               "pp2-dp2-zero3": {"pp": 2, "dp": 2, "zero": 3, "microbatches": 2}}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "zero2" else pytest.mark.slow) for n in BF16_STATES])
+def test_model_states_under_fsdp_bf16_equal_the_rule(cluster, name):
+    # FSDP2's bf16 policy registers a unit's whole parameters in bf16 while it is unsharded (its fp32 shard aside);
+    # the rule once counted them in fp32, twice what the ranks hold.
+    out = measure_layout(cluster, {**BASE, "steps": 2, "mixed_precision": "bf16", **BF16_STATES[name]})
+    rows = [r for r in out["memory"] if r.category in ("params", "grads", "optimizer")]
+    assert {r.moment for r in rows} == {"at_rest", "peak_fwd_bwd"}
+    assert [r for r in rows if r.measured != r.predicted] == [], name

@@ -77,6 +77,7 @@ LAYOUTS = {
     # too, off the registered parameters), TP-sharded like its weight (the embeddings' as well).
     "zero3_accumulation": {"dp": 4, "zero": 3, "microbatches": 2},
     "tp2_dp2_zero2_accumulation": {"dp": 2, "tp": 2, "zero": 2, "microbatches": 2},
+    "tp2_dp2_accumulation": {"dp": 2, "tp": 2, "microbatches": 2},  # FSDP2 replicating accumulates the same way
     "pp2_dp2": {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2},
     # torch's schedule keeps a stage's units whole after each backward but the last, and their gradients whole
     "pp2_dp2_zero3": {"dp": 2, "pp": 2, "zero": 3, "schedule": "1f1b", "microbatches": 2},

@@ -17,9 +17,10 @@ measured value:
     c rows, and the all-gather/reduce-scatter payload is the padded N·c rows;
   * between forward and backward each FSDP2 unit (the root, each block) holds its
     parameters whole unless it reshards after forward (ZeRO-3, or its own
-    ``reshard_after_forward``), in which case it holds its shard;
-  * with gradient accumulation FSDP2 reduce-scatters on the last micro-batch only, so until then every
-    unit also holds its gradient whole (ZeRO-2 and ZeRO-3 alike: the price of one reduce-scatter a step);
+    ``reshard_after_forward``), in which case it holds its shard; whole parameters are bf16
+    under FSDP2's bf16 policy (the fp32 shard is then not registered);
+  * with gradient accumulation FSDP2 reduces on the last micro-batch only, so until then every unit also
+    holds its gradient whole (ZeRO-2, ZeRO-3 and TP×DP's replication alike: the price of one reduction a step);
   * in a pipeline, whose schedule interleaves forwards and backwards, ``peak_fwd_bwd`` is the most held at
     once over the step: torch's schedule keeps a unit whole after every backward but the step's last, so
     with more than one micro-batch ZeRO-3's parameters peak whole too;
@@ -86,17 +87,20 @@ def predicted_memory(record: dict[str, Any]) -> dict[str, dict[str, float]]:
         owned = [table[i] for i in zero1_partition([p["whole"] for p in table], dp)[record["coords"]["dp"]]] \
             if stage == 1 else table
         opt = sum(p["local"] * k + step_bytes for p in owned)
-    # Between forward and backward an FSDP2 unit that does not reshard after forward (all of ZeRO-2's, or those
-    # reshard_after_forward names False) holds its parameters whole; the others hold their shards.
-    kept = [p for p in table if stage in (2, 3) and not reshards_after_forward(record, p)]
-    peak_params = rest_params + sum((p["whole"] - p["local"]) * p["elem"] for p in kept)
-    # Gradient accumulation: the lab (and a pipeline's schedule) reduce-scatters once, on the last micro-batch, so
-    # every FSDP2 unit holds its earlier micro-batches' gradients whole until then, beside the sharded buffers.
-    units = [p for p in table if stage in (2, 3) and not p["expert"]]
+    # Between forward and backward an FSDP2 unit that does not reshard after forward (all of ZeRO-2's, FSDP2 only
+    # replicating, or those reshard_after_forward names False) registers its parameters whole, in bf16 under
+    # FSDP2's bf16 policy (its fp32 shard is then unregistered); the others hold their shards.
+    units = [p for p in table if record["strategy"] == "fsdp" and not p["expert"]]
+    kept = [p for p in units if not reshards_after_forward(record, p)]
+    # Gradient accumulation: the lab (and a pipeline's schedule) reduces once, on the last micro-batch, so every
+    # FSDP2 unit (replicating only too) holds its earlier micro-batches' gradients whole (fp32) until then, beside
+    # the gradient buffers it reduces into.
     accumulating = int(record.get("microbatches", 1)) > 1
-    peak_grads = rest_params + (sum(p["whole"] * p["elem"] for p in units) if accumulating else 0)
     if record["dims"]["pp"] > 1 and accumulating:  # the schedule keeps a unit whole after a backward but the last
-        peak_params = rest_params + sum((p["whole"] - p["local"]) * p["elem"] for p in units)
+        kept = units
+    whole_elem = 2 if activation_rules.precision_of(record) == "bf16" else None
+    peak_params = rest_params + sum(p["whole"] * (whole_elem or p["elem"]) - p["local"] * p["elem"] for p in kept)
+    peak_grads = rest_params + (sum(p["whole"] * p["elem"] for p in units) if accumulating else 0)
     return {"at_rest": {"params": rest_params, "grads": rest_params, "optimizer": opt},
             "peak_fwd_bwd": {"params": peak_params, "grads": peak_grads, "optimizer": opt}}
 

@@ -148,17 +148,19 @@ def stage_memory(lay: Layout, w: Work, k: float, gpu_mem_gb: float, activations_
 
 def _with_accumulation(lay: Layout, w: Work, states: tuple[float, float, float],
                        psi: float) -> tuple[float, float, float]:
-    """ZeRO-2/3 ``states`` plus the whole gradient FSDP2 holds while micro-batches accumulate.
+    """``states`` plus the whole gradient FSDP2 holds while micro-batches accumulate.
 
-    The lab reduce-scatters once a step, on the last micro-batch (a pipeline's schedule does the same), so
-    until then every unit keeps its gradient whole, in float32 under bf16 (FSDP2's reduce dtype), beside
-    the sharded one: the price of reducing once, not M times. A pipeline's schedule also keeps each unit
-    whole after every backward but the step's last, so there ZeRO-3's parameters peak whole as ZeRO-2's do.
+    The lab reduces once a step, on the last micro-batch (a pipeline's schedule does the same), so until
+    then every FSDP2 unit keeps its gradient whole, in float32 under bf16 (FSDP2's reduce dtype), beside the
+    buffer it reduces into: the price of reducing once, not M times. That is ZeRO-2/3, and TP×DP without
+    ZeRO or PP, which FSDP2 replicates (DDP cannot take TP's DTensors). A pipeline's schedule also keeps each
+    unit whole after every backward but the step's last, so there ZeRO-3's parameters peak whole as ZeRO-2's do.
     """
-    if lay.zero < 2 or w.microbatches < 2:
+    replicated = lay.zero == 0 and lay.tp > 1 and lay.data_ranks > 1 and lay.pp == 1  # kernels.contract.strategy
+    if (lay.zero < 2 and not replicated) or w.microbatches < 2:
         return states
     params, grads, opt = states
-    if lay.pp > 1:
+    if lay.pp > 1 and lay.zero == 3:
         params = psi * w.elem_bytes
     return params, grads + psi * max(w.elem_bytes, 4), opt
 
