@@ -33,7 +33,8 @@ Record: ``{"rank", "coords", "strategy", "zero", "hybrid", "dims": {dp (the data
 {"peak_fwd_bwd": snapshot, "at_rest": snapshot}, "comm": [CommMeter rows],
 "comm_debug_counts": {CommDebugMode op: count}, "comm_unmetered": {op: count},
 "step_seconds", "loss", "device", "microbatches", "optimizer"}``; with pp also ``"stage_ids",
-"num_stages", "micro_batch", "activations_held", "model_states_held"`` (memory: ``at_rest`` only).
+"num_stages", "micro_batch", "activations_held", "model_states_held"`` (memory: ``at_rest`` only; the most held
+over the step are the two ``*_held``).
 
 Run alone through the rank entry point (ZeRO-3 on 4 ranks, prints rank 0's memory and comm)::
 
@@ -148,7 +149,8 @@ def meter_stage_sends(stages: list, meter: CommMeter) -> Iterator[None]:
 
 
 class PipelineProbe(StepProbe):
-    """pp > 1: this rank's stages (``model`` = their ModuleList); at rest only, p2p counted at the stages."""
+    """pp > 1: this rank's stages (``model`` = their ModuleList); at rest, and the most held at once over the
+    schedule step; p2p counted at the stages."""
 
     def __init__(self, model: nn.Module, optimizer, device: torch.device, stages: list) -> None:
         super().__init__(model, optimizer, device, _CollectiveMeter())
