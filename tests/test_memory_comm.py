@@ -231,3 +231,18 @@ def test_model_states_under_fsdp_bf16_equal_the_rule(cluster, name):
     rows = [r for r in out["memory"] if r.category in ("params", "grads", "optimizer")]
     assert {r.moment for r in rows} == {"at_rest", "peak_fwd_bwd"}
     assert [r for r in rows if r.measured != r.predicted] == [], name
+
+
+AUTOCAST_TP = {"tp4": {"tp": 4},
+               "tp4-sp-recompute": {"tp": 4, "sequence_parallel": True, "activation_checkpointing": True},
+               "pp2-tp2": {"pp": 2, "tp": 2, "microbatches": 2}}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "tp4" else pytest.mark.slow) for n in AUTOCAST_TP])
+def test_tp_under_autocast_moves_bf16_only_what_a_matmul_outputs(cluster, name):
+    # bf16 without FSDP is torch.autocast: the row-parallel outputs, their gradients gathered under SP and the logits
+    # travel in bf16; the embeddings, the gathered norm outputs and the input gradients (cast back) stay fp32.
+    out = measure_layout(cluster, {**BASE, "steps": 2, "mixed_precision": "bf16", **AUTOCAST_TP[name]})
+    rows = [r for r in out["comm"] if r.op != "recv"]
+    assert any(r.source == "funcol" for r in rows)
+    assert [r for r in rows if r.payload_bytes != r.predicted_payload_bytes] == [], name

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernels.contract.activation_rules import precision_of
 from kernels.contract.measure_records import CommRecord
 from kernels.contract.model_rules import HF
 from kernels.contract.run_config import RunConfig
@@ -74,12 +75,13 @@ def predicted_comm(record: dict[str, Any], stage: Any = None) -> dict[str, float
             out["all_reduce"] = out.get("all_reduce", 0.0) + out["reduce_scatter"] / n
         elif record.get("hybrid") and 1 < n == record["dims"]["dp"]:  # HSDP with one replica: torch still calls it
             out["all_reduce/1"] = out["reduce_scatter"] / n
+    autocast = precision_of(record) == "autocast"  # bf16 matmuls over fp32 weights: only their outputs are bf16
     for e in stage.comm if stage is not None else []:
         if e.axis in ("tp", "pp", "ep", "cp") and (e.axis != "pp" or e.op == "p2p"):  # tied_bytes above: the rest
             # pp's stage sends, cp's ring sends and receives (each send has its receive), ep's all-to-alls
             keys = {"pp": ["send"], "cp": ["cp_send", "cp_recv"], "ep": [e.op]}.get(e.axis, [f"tp_{e.op}"])
             for key in keys:
-                out[key] = out.get(key, 0.0) + e.total_payload
+                out[key] = out.get(key, 0.0) + e.total_payload / (2 if autocast and e.matmul_output else 1)
     return out
 
 
@@ -96,8 +98,9 @@ def planned_stage(record: dict[str, Any], run: RunConfig) -> Any:
                 "activation_checkpointing": s.activation_checkpointing}
     if s.pp > 1:
         parallel["stages_per_rank"] = s.stages_per_rank
-    # FSDP2's bf16 policy computes in bf16, so the activations TP and PP move are bf16 (autocast's are not all).
-    dtype = "bf16" if record.get("mixed_precision") == "bf16" and record["strategy"] == "fsdp" else "fp32"
+    # FSDP2's bf16 policy computes in bf16, so the activations TP and PP move are bf16; autocast's are not all
+    # (predicted_comm halves the entries that say matmul_output).
+    dtype = "bf16" if precision_of(record) == "bf16" else "fp32"
     p = plan(model, gpus=s.world, parallel=parallel, global_batch=run.global_batch,
              seq_len=run.model.get("seq_len"), dtype=dtype, optimizer=optimizer_name(record))
     return p.stages[record["coords"]["pp"]]

@@ -32,7 +32,8 @@ from kernels.contract.layout_combinations import (context_problems, cp_chunk_pro
 from kernels.contract.layout_rules import bubble_theory, default_microbatches
 from lab.planning import plan_render
 from lab.planning.plan_check import PlanCheck
-from lab.planning.plan_comm import CommEntry, Work, all_entries
+from lab.planning.plan_comm import all_entries
+from lab.planning.plan_work import CommEntry, Work
 from lab.planning.plan_latency import DEFAULT_ALPHA_US
 from lab.planning.plan_math import GB, dtype_bytes, optimizer_bytes
 from lab.planning.plan_mesh import Layout, axis_link, groups_link, hybrid_groups, layout_from

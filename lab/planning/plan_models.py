@@ -59,7 +59,7 @@ class ModelSpec:
     one_tp_input: bool = True
     per_tensor: bool = False  # size shards tensor by tensor (gpt_tensors), as the lab's GPT is built
     # The TP plan splits the token embedding by rows and the head by columns (the lab's GPT and Llama, and
-    # the HF decoders whose plans say so), so their collectives are counted (plan_comm._tp_outer_entries).
+    # the HF decoders whose plans say so), so their collectives are counted (plan_comm_tp._tp_outer_entries).
     sharded_ends: bool = False
     # Sequence parallelism cuts the stream only between the first and the last block (how the lab runs a model
     # the user brought, kernels.model.own_sequence_parallel): the ends and the final norm run whole, and each TP

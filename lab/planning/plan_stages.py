@@ -26,7 +26,8 @@ from typing import Any
 
 from kernels.contract.layout_combinations import stage_split_problems
 from kernels.contract.layout_rules import layer_split, stage_ids
-from lab.planning.plan_comm import CommEntry, Work, all_entries, sharded_psi
+from lab.planning.plan_comm import all_entries, sharded_psi
+from lab.planning.plan_work import CommEntry, Work
 from lab.planning.plan_math import (ACTIVATION_FACTOR, GB, SELECTIVE_FACTOR, activation_bytes,
                                    checkpointed_activation_bytes, moe_activation_bytes, zero_memory)
 from lab.planning.plan_mesh import Layout

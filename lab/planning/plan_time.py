@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lab.planning.plan_comm import CommEntry
+from lab.planning.plan_work import CommEntry
 from lab.planning.plan_latency import collective_steps
 from lab.planning.plan_math import GB, gbps, model_flops_per_token, required_bandwidth
 from lab.planning.plan_mesh import Layout
