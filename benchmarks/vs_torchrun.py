@@ -6,8 +6,9 @@ For PP2×DP2, TP2×DP2 (ZeRO-3), ZeRO-3 DP4 and PP2×TP2 (4 CPU ranks, gloo, 1 t
    time, through ``lab.Experiment.run`` on a warm pool vs the same ``kernels.train.entry`` under
    ``torchrun``. Each figure is the median of ``--rounds`` rounds; a round runs the lab as it runs by
    default (watched, with progress records), the lab unwatched (``Experiment(watch=False)``,
-   ``run(progress=False)``: no collective log, no progress records), then torchrun, so the three
-   alternate and share the machine's drift. The lab's overhead is split by source: its watching
+   ``run(progress=False)``: no collective log, no progress records) and torchrun, so the three
+   alternate and share the machine's drift; each goes first in turn (round r starts with the r-th), so
+   that an effect of the order falls on each alike. The lab's overhead is split by source: its watching
    (watched minus unwatched) and the engine process with the driver (unwatched minus torchrun).
    Each round also relaunches torchrun a second time: the median of those against the first is what
    the same job reads against itself, the resolution of the ratios on this machine. Goal: ≤ 1.02×.
@@ -81,11 +82,12 @@ def steady(cluster: lab.Cluster, name: str, steps: int, rounds: int) -> dict[str
     unwatched (no collective log, no progress records), and torchrun."""
     exp = lab.Experiment(cluster, MODEL, LAYOUTS[name], global_batch=GLOBAL_BATCH, steps=steps)
     bare = lab.Experiment(cluster, MODEL, LAYOUTS[name], global_batch=GLOBAL_BATCH, steps=steps, watch=False)
+    runs = [("lab", lambda: exp.run().step_times), ("bare", lambda: bare.run(progress=False).step_times),
+            ("torchrun", lambda: run_torchrun(exp)[1])]
     figures: dict[str, list[float]] = {"lab": [], "bare": [], "torchrun": [], "torchrun again": []}
-    for _ in range(rounds):
-        figures["lab"].append(steady_step(exp.run().step_times))
-        figures["bare"].append(steady_step(bare.run(progress=False).step_times))
-        figures["torchrun"].append(steady_step(run_torchrun(exp)[1]))
+    for r in range(rounds):
+        for name, run in runs[r % 3:] + runs[:r % 3]:  # each goes first in turn, so an order effect cancels
+            figures[name].append(steady_step(run()))
         figures["torchrun again"].append(steady_step(run_torchrun(exp)[1]))
     return {k: statistics.median(v) for k, v in figures.items()}
 
