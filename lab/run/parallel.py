@@ -185,8 +185,8 @@ class Parallel:
         """Why a valid layout is wasteful, in plain strings (empty when it is not)."""
         out = []
         if self.zero_stage in (2, 3) and self.pp > 1:
-            out.append(f"ZeRO-{self.zero_stage} with pp={self.pp} is wasteful: parameters are all-gathered "
-                       "(and gradients reduce-scattered) for every micro-batch")
+            out.append(f"ZeRO-{self.zero_stage} with pp={self.pp} is wasteful: torch's schedule keeps each stage's "
+                       "parameters and a whole gradient from its first backward to its last, so little stays sharded")
         if self.zero_stage in (1, 2, 3) and self.dp == 1:
             out.append(f"ZeRO-{self.zero_stage} with dp=1 has nothing to shard over")
         if self.fsdp_strategy == "hybrid" and 1 in self.hsdp_sizes:
