@@ -107,8 +107,8 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     while FSDP2 has a unit unsharded (ZeRO-2 between forward and backward), the sharded
     gradients hang on the sharded DTensors the optimizer holds, not on the registered
     whole tensors; during gradient accumulation FSDP2 also holds whole gradients that no
-    registered parameter shows (``kernels.parallel.fsdp.unsharded_grads``). ``param_shards_unregistered`` counts those sharded parameters while
-    they are not registered (FSDP2 keeps them beside the whole ones).
+    registered parameter shows (``kernels.parallel.fsdp.unsharded_grads``). ``param_shards_unregistered``
+    counts those sharded parameters while they are not registered (FSDP2 keeps them beside the whole ones).
     """
     params = list(model.parameters())
     registered = {id(x) for x in params}

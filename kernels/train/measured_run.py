@@ -22,8 +22,8 @@ only the ``at_rest`` moment is taken: forward and backward interleave inside the
 schedule, so there is no single moment between them. Instead the most activations
 held at once over the step are kept, by part (``activations_held``,
 ``kernels.measure.activation_peak``), and the most parameter and gradient bytes, sampled
-after each stage action (``model_states_held``, ``kernels.measure.model_states_peak``). Stage-boundary p2p is metered at
-the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
+after each stage action (``model_states_held``, ``kernels.measure.model_states_peak``).
+Stage-boundary p2p is metered at the stage (``PipelineStage.get_{fwd,bwd}_send_ops``, the tensors each send carries):
 torch's ``P2POp`` rejects a wrapped ``dist.isend``, so the namespace patch leaves p2p
 alone here (``_CollectiveMeter``). Config keys are ``kernels.contract.run_config.RunConfig``'s;
 ``steps`` defaults to 2 here.

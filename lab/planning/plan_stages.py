@@ -135,8 +135,8 @@ def stage_memory(lay: Layout, w: Work, k: float, gpu_mem_gb: float, activations_
                  stage: int = 0) -> MemoryBreakdown:
     """Model states as ZeRO shards them over the data axis (over dp_shard under HSDP), experts whole under EP,
     and the activations in flight."""
-    states = _with_accumulation(lay, w, zero_memory(sharded_psi(lay, w), lay.dp_shard, lay.zero, w.elem_bytes,
-                                                    w.elem_bytes, k), sharded_psi(lay, w))
+    psi = sharded_psi(lay, w)
+    states = _with_accumulation(lay, w, zero_memory(psi, lay.dp_shard, lay.zero, w.elem_bytes, w.elem_bytes, k), psi)
     if lay.ep > 1:
         own = zero_memory(w.expert_psi, 1, 0, w.elem_bytes, w.elem_bytes, k)
         states, experts = tuple(a + b for a, b in zip(states, own)), sum(own)
